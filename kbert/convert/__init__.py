@@ -1,0 +1,1 @@
+"""Checkpoint interchange: Hugging Face BERT directories (both ways)."""

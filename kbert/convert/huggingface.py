@@ -1,0 +1,186 @@
+"""Hugging Face BERT directories <-> kbert.
+
+Reads `config.json` + `model.safetensors` (or a sharded safetensors index).
+`pytorch_model.bin` is a pickle, which can run code when loaded, so it is read
+only when the caller passes `allow_pickle=True` (and then with torch's
+`weights_only=True` loader).
+"""
+
+import json
+import os
+
+import numpy as np
+
+from kbert.layers.activations import canonical_activation
+from kbert.presets.io import PresetError, preset_file, read_json
+from kbert.presets.weights import assign_weights
+
+HF_TO_KBERT_CONFIG = {
+    "vocab_size": "vocabulary_size",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "hidden_size": "hidden_dim",
+    "intermediate_size": "intermediate_dim",
+    "max_position_embeddings": "max_sequence_length",
+    "type_vocab_size": "type_vocab_size",
+    "hidden_dropout_prob": "dropout",
+    "attention_probs_dropout_prob": "attention_dropout",
+    "hidden_act": "activation",
+    "layer_norm_eps": "layer_norm_epsilon",
+    "initializer_range": "initializer_range",
+}
+
+
+def is_huggingface_dir(directory):
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path) or os.path.isfile(os.path.join(directory, "metadata.json")):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "model_type" in json.load(f)
+    except ValueError:
+        return False
+
+
+def backbone_config_from_hf(hf_config, source="config.json"):
+    model_type = hf_config.get("model_type")
+    if model_type != "bert":
+        raise PresetError(
+            f"{source} describes a {model_type!r} model; kbert loads BERT (model_type 'bert')"
+        )
+    position_type = hf_config.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise PresetError(
+            f"{source} uses position_embedding_type={position_type!r}; kbert BERT has "
+            "learned absolute positions only"
+        )
+    config = {ours: hf_config[theirs] for theirs, ours in HF_TO_KBERT_CONFIG.items() if theirs in hf_config}
+    if "activation" in config:
+        config["activation"] = canonical_activation(config["activation"])
+    required = ["vocabulary_size", "num_layers", "num_heads", "hidden_dim", "intermediate_dim"]
+    absent = [k for k in required if k not in config]
+    if absent:
+        raise PresetError(f"{source} lacks {absent} (Hugging Face names: {[k for k, v in HF_TO_KBERT_CONFIG.items() if v in absent]})")
+    return config
+
+
+def load_state_dict(directory, allow_pickle=False):
+    """{name: numpy array} from a Hugging Face model directory."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    try:
+        if os.path.isfile(single):
+            return load_file(preset_file(directory, "model.safetensors"))
+        if os.path.isfile(index):
+            shards = sorted(set(read_json(directory, "model.safetensors.index.json")["weight_map"].values()))
+            state = {}
+            for shard in shards:
+                state.update(load_file(preset_file(directory, shard)))
+            return state
+    except (SafetensorError, OSError) as e:
+        raise PresetError(f"weights in {directory} are corrupt or truncated: {e}") from e
+    if os.path.isfile(os.path.join(directory, "pytorch_model.bin")):
+        if not allow_pickle:
+            raise PresetError(
+                f"{directory} holds only pytorch_model.bin, a pickle that can run code "
+                "when loaded; convert it to safetensors, or pass allow_pickle=True if "
+                "you trust its source"
+            )
+        import torch
+
+        state = torch.load(
+            preset_file(directory, "pytorch_model.bin"), map_location="cpu", weights_only=True
+        )
+        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+    raise PresetError(f"{directory} has no model.safetensors (or sharded index) to load")
+
+
+def _normalise_names(state):
+    """Old checkpoints say LayerNorm.gamma/beta; newer ones weight/bias."""
+    out = {}
+    for name, value in state.items():
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        value = np.asarray(value)
+        if value.dtype.kind == "f" or value.dtype.name == "bfloat16":
+            value = value.astype(np.float32)
+        out[name] = value
+    return out
+
+
+def _prefix(state):
+    for name in state:
+        if name.endswith("embeddings.word_embeddings.weight"):
+            return name[: -len("embeddings.word_embeddings.weight")]
+    raise PresetError("the checkpoint has no embeddings.word_embeddings.weight: not a BERT")
+
+
+def backbone_weights_from_hf(state, num_layers):
+    """Maps a (normalised) Hugging Face state dict to kbert backbone paths.
+
+    Returns (weights, used_names)."""
+    p = _prefix(state)
+    used = set()
+
+    def get(name, transpose=False):
+        key = p + name
+        if key not in state:
+            raise PresetError(f"the checkpoint lacks {key!r}")
+        used.add(key)
+        return state[key].T if transpose else state[key]
+
+    w = {
+        "embeddings/token_embedding/embeddings": get("embeddings.word_embeddings.weight"),
+        "embeddings/segment_embedding/embeddings": get("embeddings.token_type_embeddings.weight"),
+        "embeddings/position_embeddings": get("embeddings.position_embeddings.weight"),
+        "embeddings/layer_norm/gamma": get("embeddings.LayerNorm.weight"),
+        "embeddings/layer_norm/beta": get("embeddings.LayerNorm.bias"),
+    }
+    for i in range(num_layers):
+        hf, ours = f"encoder.layer.{i}.", f"transformer_layer_{i}/"
+        qkv = [f"attention.self.{n}" for n in ("query", "key", "value")]
+        w[ours + "self_attention/qkv/kernel"] = np.concatenate([get(hf + n + ".weight", True) for n in qkv], axis=1)
+        w[ours + "self_attention/qkv/bias"] = np.concatenate([get(hf + n + ".bias") for n in qkv])
+        for theirs, mine in [
+            ("attention.output.dense", "self_attention/output"),
+            ("intermediate.dense", "intermediate_dense"),
+            ("output.dense", "output_dense"),
+        ]:
+            w[ours + mine + "/kernel"] = get(hf + theirs + ".weight", True)
+            w[ours + mine + "/bias"] = get(hf + theirs + ".bias")
+        for theirs, mine in [
+            ("attention.output.LayerNorm", "attention_layer_norm"),
+            ("output.LayerNorm", "output_layer_norm"),
+        ]:
+            w[ours + mine + "/gamma"] = get(hf + theirs + ".weight")
+            w[ours + mine + "/beta"] = get(hf + theirs + ".bias")
+    if p + "pooler.dense.weight" in state:
+        w["pooler/dense/kernel"] = get("pooler.dense.weight", True)
+        w["pooler/dense/bias"] = get("pooler.dense.bias")
+    return w, used
+
+
+def load_backbone(directory, load_weights=True, allow_pickle=False, **overrides):
+    from kbert.models.backbone import BertBackbone
+
+    config = backbone_config_from_hf(read_json(directory, "config.json"), f"{directory}/config.json")
+    backbone = BertBackbone(**{**config, **overrides})
+    if load_weights:
+        state = _normalise_names(load_state_dict(directory, allow_pickle=allow_pickle))
+        weights, _ = backbone_weights_from_hf(state, backbone.num_layers)
+        missing_pooler = "pooler/dense/kernel" not in weights
+        if missing_pooler:
+            import logging
+
+            logging.getLogger("kbert").warning(
+                "%s has no pooler weights; the pooler is freshly initialised", directory
+            )
+        assign_weights(
+            backbone,
+            weights,
+            source=f"Hugging Face weights in {directory}",
+            allow_missing=("pooler/",) if missing_pooler else (),
+        )
+    return backbone

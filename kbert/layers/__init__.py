@@ -1,0 +1,19 @@
+"""Backend-agnostic BERT building blocks (keras + keras.ops only)."""
+
+from kbert.layers.activations import canonical_activation, get_activation
+from kbert.layers.attention import MultiHeadSelfAttention
+from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding
+from kbert.layers.encoder import TransformerEncoderBlock
+from kbert.layers.heads import MaskedLMHead, NextSentenceHead, Pooler
+
+__all__ = [
+    "BertEmbeddings",
+    "MaskedLMHead",
+    "MultiHeadSelfAttention",
+    "NextSentenceHead",
+    "Pooler",
+    "TokenEmbedding",
+    "TransformerEncoderBlock",
+    "canonical_activation",
+    "get_activation",
+]

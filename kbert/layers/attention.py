@@ -1,0 +1,116 @@
+"""Multi-head self-attention with a fused QKV projection.
+
+Shapes: B batch, T query tokens, S key tokens (= T), N heads, D head size,
+H hidden (= N * D).
+
+Two paths compute the same function:
+- fused: `keras.ops.dot_product_attention` (cuDNN / flash / SDPA kernels where
+  the backend has them), used whenever no attention-probability dropout is
+  active, i.e. at inference and when training with `attention_dropout=0`;
+- explicit: softmax(QK^T / sqrt(D)) with dropout on the probabilities, the
+  paper's recipe, used when training with `attention_dropout > 0`.
+`attention_path(training)` says which one a call takes.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class MultiHeadSelfAttention(keras.layers.Layer):
+    """Bidirectional self-attention over the non-padding tokens.
+
+    Args:
+        num_heads: int. number of heads N.
+        hidden_dim: int. model width H, divisible by `num_heads`.
+        attention_dropout: float. dropout on attention probabilities.
+        initializer_range: float. stddev of the truncated-normal init.
+
+    Example:
+    >>> layer = MultiHeadSelfAttention(num_heads=2, hidden_dim=8)
+    >>> x = keras.ops.ones((2, 5, 8))
+    >>> tuple(layer(x, keras.ops.ones((2, 5), "int32")).shape)
+    (2, 5, 8)
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        hidden_dim,
+        attention_dropout=0.1,
+        initializer_range=0.02,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if hidden_dim % num_heads:
+            raise ValueError(
+                f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}"
+            )
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.head_dim = hidden_dim // num_heads
+        self.attention_dropout = attention_dropout
+        self.initializer_range = initializer_range
+        init = keras.initializers.TruncatedNormal(stddev=initializer_range)
+        self.qkv = keras.layers.Dense(
+            3 * hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="qkv"
+        )
+        self.output_dense = keras.layers.Dense(
+            hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="output"
+        )
+        self.probs_dropout = keras.layers.Dropout(
+            attention_dropout, dtype=self.dtype_policy, name="probs_dropout"
+        )
+
+    def build(self, inputs_shape, padding_mask_shape=None):
+        self.qkv.build(inputs_shape)
+        self.output_dense.build(tuple(inputs_shape[:-1]) + (self.hidden_dim,))
+        self.built = True
+
+    def attention_path(self, training=None):
+        """'fused' or 'explicit': the attention path a call with `training` takes."""
+        return "explicit" if (training and self.attention_dropout > 0) else "fused"
+
+    def call(self, inputs, padding_mask, training=None):
+        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
+        qkv = self.qkv(inputs)
+        qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
+        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, D)
+
+        keep = ops.cast(padding_mask, "bool")
+        # A row with no real token would softmax over nothing (NaN); let it
+        # attend everywhere instead. Its outputs are padding and unused.
+        empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
+        keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
+
+        if self.attention_path(training) == "fused":
+            context = ops.dot_product_attention(
+                query, key, value, mask=keep, scale=1.0 / math.sqrt(self.head_dim)
+            )  # (B, T, N, D)
+        else:
+            context = self._explicit_attention(query, key, value, keep, training)
+        context = ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
+        return self.output_dense(context)
+
+    def _explicit_attention(self, query, key, value, keep, training):
+        scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
+        scores = ops.cast(scores, "float32") / math.sqrt(self.head_dim)
+        scores = ops.where(keep, scores, ops.full_like(scores, -1e30))
+        probs = ops.cast(ops.softmax(scores, axis=-1), self.compute_dtype)
+        probs = self.probs_dropout(probs, training=training)
+        return ops.einsum("bnts,bsnd->btnd", probs, value)  # (B, T, N, D)
+
+    def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
+        return tuple(inputs_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            num_heads=self.num_heads,
+            hidden_dim=self.hidden_dim,
+            attention_dropout=self.attention_dropout,
+            initializer_range=self.initializer_range,
+        )
+        return config

@@ -1,0 +1,148 @@
+"""BERT input embeddings: token + segment + learned position, LayerNorm, dropout.
+
+Shapes: B batch, T tokens, H hidden, V vocabulary.
+"""
+
+import keras
+from keras import ops
+
+from kbert.utils import checks
+
+
+def _initializer(stddev):
+    return keras.initializers.TruncatedNormal(stddev=stddev)
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class TokenEmbedding(keras.layers.Embedding):
+    """A token embedding that can also project hidden states back to logits.
+
+    `call(ids)` looks ids up; `call(hidden, reverse=True)` multiplies by the
+    transposed table, which is how the masked-LM decoder ties its weights to
+    the input embedding as in the original BERT.
+
+    Args:
+        input_dim: int. vocabulary size V.
+        output_dim: int. hidden size H.
+
+    Example:
+    >>> layer = TokenEmbedding(10, 4)
+    >>> logits = layer(layer(keras.ops.ones((2, 3), "int32")), reverse=True)
+    >>> tuple(logits.shape)
+    (2, 3, 10)
+    """
+
+    def call(self, inputs, reverse=False):
+        if not reverse:
+            return super().call(inputs)
+        table = ops.cast(self.embeddings, self.compute_dtype)
+        return ops.matmul(inputs, ops.transpose(table))  # (B, ..., V)
+
+    def compute_output_shape(self, input_shape, reverse=False):
+        if reverse:
+            return tuple(input_shape[:-1]) + (self.input_dim,)
+        return super().compute_output_shape(input_shape)
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BertEmbeddings(keras.layers.Layer):
+    """Sum of token, segment and learned absolute position embeddings.
+
+    Args:
+        vocabulary_size: int. number of token ids V.
+        hidden_dim: int. embedding width H.
+        max_sequence_length: int. number of learned positions.
+        type_vocab_size: int. number of segment ids (2 for sentence pairs).
+        dropout: float. dropout after the LayerNorm.
+        layer_norm_epsilon: float. LayerNorm epsilon.
+        initializer_range: float. stddev of the truncated-normal init.
+
+    Example:
+    >>> layer = BertEmbeddings(100, 8, max_sequence_length=16)
+    >>> ids = keras.ops.ones((2, 5), "int32")
+    >>> tuple(layer(ids, keras.ops.zeros((2, 5), "int32")).shape)
+    (2, 5, 8)
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        hidden_dim,
+        max_sequence_length=512,
+        type_vocab_size=2,
+        dropout=0.1,
+        layer_norm_epsilon=1e-12,
+        initializer_range=0.02,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.vocabulary_size = vocabulary_size
+        self.hidden_dim = hidden_dim
+        self.max_sequence_length = max_sequence_length
+        self.type_vocab_size = type_vocab_size
+        self.dropout = dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        self.token_embedding = TokenEmbedding(
+            vocabulary_size,
+            hidden_dim,
+            embeddings_initializer=_initializer(initializer_range),
+            dtype=self.dtype_policy,
+            name="token_embedding",
+        )
+        self.segment_embedding = keras.layers.Embedding(
+            type_vocab_size,
+            hidden_dim,
+            embeddings_initializer=_initializer(initializer_range),
+            dtype=self.dtype_policy,
+            name="segment_embedding",
+        )
+        self.layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
+        )
+        self.dropout_layer = keras.layers.Dropout(
+            dropout, dtype=self.dtype_policy, name="dropout"
+        )
+
+    def build(self, token_ids_shape, segment_ids_shape=None):
+        self.token_embedding.build(token_ids_shape)
+        self.segment_embedding.build(token_ids_shape)
+        self.position_embeddings = self.add_weight(
+            name="position_embeddings",
+            shape=(self.max_sequence_length, self.hidden_dim),
+            initializer=_initializer(self.initializer_range),
+        )
+        self.layer_norm.build(tuple(token_ids_shape) + (self.hidden_dim,))
+        self.built = True
+
+    def call(self, token_ids, segment_ids, training=None):
+        length = ops.shape(token_ids)[1]
+        checks.check_sequence_length(length, self.max_sequence_length)
+        if not training and checks.is_concrete(token_ids):
+            checks.check_token_ids(token_ids, self.vocabulary_size)
+            checks.check_token_ids(segment_ids, self.type_vocab_size, "segment_ids")
+        positions = ops.slice(
+            ops.cast(self.position_embeddings, self.compute_dtype),
+            (0, 0),
+            (length, self.hidden_dim),
+        )  # (T, H)
+        x = self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
+        x = x + positions[None]  # (B, T, H)
+        x = self.layer_norm(x)
+        return self.dropout_layer(x, training=training)
+
+    def compute_output_shape(self, token_ids_shape, segment_ids_shape=None):
+        return tuple(token_ids_shape) + (self.hidden_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            vocabulary_size=self.vocabulary_size,
+            hidden_dim=self.hidden_dim,
+            max_sequence_length=self.max_sequence_length,
+            type_vocab_size=self.type_vocab_size,
+            dropout=self.dropout,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            initializer_range=self.initializer_range,
+        )
+        return config

@@ -1,0 +1,114 @@
+"""The post-LayerNorm Transformer encoder block of BERT.
+
+Shapes: B batch, T tokens, H hidden, I intermediate (feed-forward) width.
+"""
+
+import keras
+
+from kbert.layers.activations import canonical_activation, get_activation
+from kbert.layers.attention import MultiHeadSelfAttention
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class TransformerEncoderBlock(keras.layers.Layer):
+    """x -> LN(x + Attn(x)) -> LN(. + FFN(.)), dropout before each residual add.
+
+    Args:
+        num_heads: int. attention heads.
+        hidden_dim: int. model width H.
+        intermediate_dim: int. feed-forward width I.
+        dropout: float. dropout on each sub-layer's output.
+        attention_dropout: float. dropout on attention probabilities.
+        activation: str. feed-forward activation ("gelu" is exact erf GELU,
+            "gelu_tanh" the tanh approximation; see `kbert.layers.activations`).
+        layer_norm_epsilon: float. LayerNorm epsilon.
+        initializer_range: float. stddev of the truncated-normal init.
+
+    Example:
+    >>> block = TransformerEncoderBlock(2, 8, 16)
+    >>> tuple(block(keras.ops.ones((1, 3, 8)), keras.ops.ones((1, 3))).shape)
+    (1, 3, 8)
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        hidden_dim,
+        intermediate_dim,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation="gelu",
+        layer_norm_epsilon=1e-12,
+        initializer_range=0.02,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.dropout = dropout
+        self.attention_dropout = attention_dropout
+        self.activation = canonical_activation(activation)
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        init = keras.initializers.TruncatedNormal(stddev=initializer_range)
+        policy = self.dtype_policy
+        self.self_attention = MultiHeadSelfAttention(
+            num_heads,
+            hidden_dim,
+            attention_dropout=attention_dropout,
+            initializer_range=initializer_range,
+            dtype=policy,
+            name="self_attention",
+        )
+        self.attention_dropout_layer = keras.layers.Dropout(dropout, dtype=policy, name="attention_output_dropout")
+        self.attention_layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=policy, name="attention_layer_norm"
+        )
+        self.intermediate_dense = keras.layers.Dense(
+            intermediate_dim,
+            activation=get_activation(self.activation),
+            kernel_initializer=init,
+            dtype=policy,
+            name="intermediate_dense",
+        )
+        self.output_dense = keras.layers.Dense(
+            hidden_dim, kernel_initializer=init, dtype=policy, name="output_dense"
+        )
+        self.output_dropout = keras.layers.Dropout(dropout, dtype=policy, name="output_dropout")
+        self.output_layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=policy, name="output_layer_norm"
+        )
+
+    def build(self, inputs_shape, padding_mask_shape=None):
+        self.self_attention.build(inputs_shape)
+        self.attention_layer_norm.build(inputs_shape)
+        self.intermediate_dense.build(inputs_shape)
+        self.output_dense.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
+        self.output_layer_norm.build(inputs_shape)
+        self.built = True
+
+    def call(self, inputs, padding_mask, training=None):
+        attended = self.self_attention(inputs, padding_mask, training=training)
+        attended = self.attention_dropout_layer(attended, training=training)
+        x = self.attention_layer_norm(inputs + attended)
+        y = self.output_dense(self.intermediate_dense(x))
+        y = self.output_dropout(y, training=training)
+        return self.output_layer_norm(x + y)
+
+    def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
+        return tuple(inputs_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            num_heads=self.num_heads,
+            hidden_dim=self.hidden_dim,
+            intermediate_dim=self.intermediate_dim,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            activation=self.activation,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            initializer_range=self.initializer_range,
+        )
+        return config

@@ -1,0 +1,203 @@
+"""Heads on top of the encoder: pooler, masked-LM head, next-sentence head.
+
+Shapes: B batch, T tokens, P predictions per sequence, H hidden, V vocabulary.
+Logits are float32 under mixed precision, so losses are computed in float32.
+"""
+
+import keras
+from keras import ops
+
+from kbert.layers.activations import canonical_activation, get_activation
+
+
+def _initializer(stddev):
+    return keras.initializers.TruncatedNormal(stddev=stddev)
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class Pooler(keras.layers.Layer):
+    """tanh(Dense(h_[CLS])): the pooled output used by NSP and classifiers.
+
+    Args:
+        hidden_dim: int. width H.
+        initializer_range: float. stddev of the truncated-normal init.
+
+    Example:
+    >>> tuple(Pooler(8)(keras.ops.ones((2, 5, 8))).shape)
+    (2, 8)
+    """
+
+    def __init__(self, hidden_dim, initializer_range=0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_dim = hidden_dim
+        self.initializer_range = initializer_range
+        self.dense = keras.layers.Dense(
+            hidden_dim,
+            activation="tanh",
+            kernel_initializer=_initializer(initializer_range),
+            dtype=self.dtype_policy,
+            name="dense",
+        )
+
+    def build(self, sequence_shape):
+        self.dense.build((sequence_shape[0], sequence_shape[-1]))
+        self.built = True
+
+    def call(self, sequence_output):
+        return self.dense(sequence_output[:, 0, :])  # (B, H) from [CLS]
+
+    def compute_output_shape(self, sequence_shape):
+        return (sequence_shape[0], self.hidden_dim)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(hidden_dim=self.hidden_dim, initializer_range=self.initializer_range)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class MaskedLMHead(keras.layers.Layer):
+    """Predicts the original token at each masked position.
+
+    Gathers `mask_positions` first, so the vocabulary projection (the largest
+    matrix product of pre-training) runs on P positions, not T. Then
+    Dense -> activation -> LayerNorm -> decoder tied to the token embedding
+    (transposed) -> per-token output bias, as in the original BERT.
+
+    Args:
+        vocabulary_size: int. V.
+        hidden_dim: int. H.
+        activation: str. transform activation (as the encoder's).
+        layer_norm_epsilon: float. LayerNorm epsilon.
+        initializer_range: float. stddev of the truncated-normal init.
+        token_embedding: `kbert.layers.TokenEmbedding` or None. The embedding
+            to tie the decoder to (not serialized: the task model that owns
+            both passes it again when rebuilt). None gives an untied decoder.
+
+    Example:
+    >>> head = MaskedLMHead(vocabulary_size=20, hidden_dim=8)
+    >>> x = keras.ops.ones((2, 5, 8))
+    >>> tuple(head(x, keras.ops.zeros((2, 3), "int32")).shape)
+    (2, 3, 20)
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        hidden_dim,
+        activation="gelu",
+        layer_norm_epsilon=1e-12,
+        initializer_range=0.02,
+        token_embedding=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.vocabulary_size = vocabulary_size
+        self.hidden_dim = hidden_dim
+        self.activation = canonical_activation(activation)
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        self.token_embedding = token_embedding
+        if token_embedding is not None and (
+            token_embedding.input_dim != vocabulary_size
+            or token_embedding.output_dim != hidden_dim
+        ):
+            raise ValueError(
+                "token_embedding shape "
+                f"({token_embedding.input_dim}, {token_embedding.output_dim}) does not "
+                f"match vocabulary_size={vocabulary_size}, hidden_dim={hidden_dim}"
+            )
+        self.transform = keras.layers.Dense(
+            hidden_dim,
+            activation=get_activation(self.activation),
+            kernel_initializer=_initializer(initializer_range),
+            dtype=self.dtype_policy,
+            name="transform",
+        )
+        self.layer_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
+        )
+
+    def build(self, sequence_shape, mask_positions_shape=None):
+        self.transform.build((None, None, self.hidden_dim))
+        self.layer_norm.build((None, None, self.hidden_dim))
+        if self.token_embedding is None:
+            self.decoder_kernel = self.add_weight(
+                name="decoder_kernel",
+                shape=(self.hidden_dim, self.vocabulary_size),
+                initializer=_initializer(self.initializer_range),
+            )
+        self.output_bias = self.add_weight(
+            name="output_bias", shape=(self.vocabulary_size,), initializer="zeros"
+        )
+        self.built = True
+
+    def call(self, sequence_output, mask_positions):
+        positions = ops.expand_dims(ops.cast(mask_positions, "int32"), -1)  # (B, P, 1)
+        x = ops.take_along_axis(sequence_output, positions, axis=1)  # (B, P, H)
+        x = self.layer_norm(self.transform(x))
+        if self.token_embedding is not None:
+            logits = self.token_embedding(x, reverse=True)  # (B, P, V)
+        else:
+            logits = ops.matmul(x, ops.cast(self.decoder_kernel, self.compute_dtype))
+        logits = ops.cast(logits, "float32")
+        return logits + ops.cast(self.output_bias, "float32")
+
+    def compute_output_shape(self, sequence_shape, mask_positions_shape=None):
+        return (sequence_shape[0], mask_positions_shape[1], self.vocabulary_size)
+
+    def compute_output_spec(self, sequence_output, mask_positions):
+        shape = (sequence_output.shape[0], mask_positions.shape[1], self.vocabulary_size)
+        return keras.KerasTensor(shape, dtype="float32")
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            vocabulary_size=self.vocabulary_size,
+            hidden_dim=self.hidden_dim,
+            activation=self.activation,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            initializer_range=self.initializer_range,
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class NextSentenceHead(keras.layers.Layer):
+    """Two logits from the pooled output: 0 = B follows A, 1 = B is random.
+
+    Args:
+        initializer_range: float. stddev of the truncated-normal init.
+
+    Example:
+    >>> tuple(NextSentenceHead()(keras.ops.ones((2, 8))).shape)
+    (2, 2)
+    """
+
+    def __init__(self, initializer_range=0.02, **kwargs):
+        super().__init__(**kwargs)
+        self.initializer_range = initializer_range
+        self.dense = keras.layers.Dense(
+            2,
+            kernel_initializer=_initializer(initializer_range),
+            dtype=self.dtype_policy,
+            name="dense",
+        )
+
+    def build(self, pooled_shape):
+        self.dense.build(pooled_shape)
+        self.built = True
+
+    def call(self, pooled_output):
+        return ops.cast(self.dense(pooled_output), "float32")
+
+    def compute_output_shape(self, pooled_shape):
+        return (pooled_shape[0], 2)
+
+    def compute_output_spec(self, pooled_output):
+        return keras.KerasTensor((pooled_output.shape[0], 2), dtype="float32")
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(initializer_range=self.initializer_range)
+        return config

@@ -1,0 +1,3 @@
+from kbert.models.backbone import BertBackbone
+
+__all__ = ["BertBackbone"]

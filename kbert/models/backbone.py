@@ -1,0 +1,227 @@
+"""BertBackbone: the BERT encoder as a functional Keras model.
+
+Shapes: B batch, T tokens, H hidden, L layers.
+"""
+
+import keras
+from keras import ops
+
+from kbert.layers import BertEmbeddings, Pooler, TransformerEncoderBlock, canonical_activation
+from kbert.models.preset_mixin import PresetMixin
+from kbert.utils import checks
+
+INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BertBackbone(PresetMixin, keras.Model):
+    """The BERT encoder: embeddings, L post-LN Transformer blocks, pooler.
+
+    Inputs are a dict of int tensors `token_ids`, `segment_ids` and
+    `padding_mask` (1 = real token), each (B, T). Outputs are a dict with
+    `sequence_output` (B, T, H), `pooled_output` (B, H) and, when
+    `output_hidden_states=True`, `hidden_states` (B, L + 1, T, H): the
+    embedding output followed by each layer's output (for feature-based use
+    and learned layer mixtures).
+
+    Args:
+        vocabulary_size: int. number of token ids.
+        num_layers: int. number of Transformer blocks L.
+        num_heads: int. attention heads per block.
+        hidden_dim: int. model width H.
+        intermediate_dim: int. feed-forward width (4 H in the paper).
+        max_sequence_length: int. number of learned positions.
+        type_vocab_size: int. number of segment ids.
+        dropout: float. hidden dropout.
+        attention_dropout: float. attention-probability dropout; 0 lets
+            training use the fused attention kernel.
+        activation: str. "gelu" (exact erf) or "gelu_tanh" (approximation).
+        layer_norm_epsilon: float. LayerNorm epsilon.
+        initializer_range: float. stddev of the truncated-normal init.
+        output_hidden_states: bool. also output every layer's hidden states.
+        dtype: str or `keras.DTypePolicy`. e.g. "float32", "mixed_bfloat16".
+
+    Example:
+    >>> model = BertBackbone(vocabulary_size=50, num_layers=2, num_heads=2,
+    ...                      hidden_dim=8, intermediate_dim=16, max_sequence_length=16)
+    >>> x = {"token_ids": np.ones((1, 4), "int32"),
+    ...      "segment_ids": np.zeros((1, 4), "int32"),
+    ...      "padding_mask": np.ones((1, 4), "int32")}
+    >>> tuple(model(x)["sequence_output"].shape)
+    (1, 4, 8)
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        num_layers,
+        num_heads,
+        hidden_dim,
+        intermediate_dim,
+        max_sequence_length=512,
+        type_vocab_size=2,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation="gelu",
+        layer_norm_epsilon=1e-12,
+        initializer_range=0.02,
+        output_hidden_states=False,
+        dtype=None,
+        **kwargs,
+    ):
+        for arg, value in [
+            ("vocabulary_size", vocabulary_size),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("hidden_dim", hidden_dim),
+            ("intermediate_dim", intermediate_dim),
+            ("max_sequence_length", max_sequence_length),
+            ("type_vocab_size", type_vocab_size),
+        ]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if hidden_dim % num_heads:
+            raise ValueError(
+                f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}"
+            )
+        for arg, value in [("dropout", dropout), ("attention_dropout", attention_dropout)]:
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
+        activation = canonical_activation(activation)
+
+        # === Layers ===
+        embeddings = BertEmbeddings(
+            vocabulary_size,
+            hidden_dim,
+            max_sequence_length=max_sequence_length,
+            type_vocab_size=type_vocab_size,
+            dropout=dropout,
+            layer_norm_epsilon=layer_norm_epsilon,
+            initializer_range=initializer_range,
+            dtype=dtype,
+            name="embeddings",
+        )
+        blocks = [
+            TransformerEncoderBlock(
+                num_heads,
+                hidden_dim,
+                intermediate_dim,
+                dropout=dropout,
+                attention_dropout=attention_dropout,
+                activation=activation,
+                layer_norm_epsilon=layer_norm_epsilon,
+                initializer_range=initializer_range,
+                dtype=dtype,
+                name=f"transformer_layer_{i}",
+            )
+            for i in range(num_layers)
+        ]
+        pooler = Pooler(hidden_dim, initializer_range, dtype=dtype, name="pooler")
+
+        # === Functional model ===
+        inputs = {
+            name: keras.Input(shape=(None,), dtype="int32", name=name)
+            for name in INPUT_NAMES
+        }
+        x = embeddings(inputs["token_ids"], inputs["segment_ids"])
+        hidden_states = [x]
+        for block in blocks:
+            x = block(x, inputs["padding_mask"])
+            hidden_states.append(x)
+        outputs = {"sequence_output": x, "pooled_output": pooler(x)}
+        if output_hidden_states:
+            outputs["hidden_states"] = ops.stack(hidden_states, axis=1)  # (B, L + 1, T, H)
+        super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
+
+        # === Config ===
+        self.vocabulary_size = vocabulary_size
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.max_sequence_length = max_sequence_length
+        self.type_vocab_size = type_vocab_size
+        self.dropout = dropout
+        self.attention_dropout = attention_dropout
+        self.activation = activation
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_range = initializer_range
+        self.output_hidden_states = output_hidden_states
+
+    @property
+    def token_embedding(self):
+        """The `TokenEmbedding` layer, for heads that tie weights to it."""
+        return self.get_layer("embeddings").token_embedding
+
+    @property
+    def transformer_layers(self):
+        return [self.get_layer(f"transformer_layer_{i}") for i in range(self.num_layers)]
+
+    def check_inputs(self, inputs):
+        """Raises a clear ValueError for ids or lengths the model cannot take."""
+        if not isinstance(inputs, dict):
+            return
+        missing = [name for name in INPUT_NAMES if name not in inputs]
+        if missing:
+            raise ValueError(
+                f"inputs lack {missing}; BertBackbone takes a dict with {list(INPUT_NAMES)}"
+            )
+        token_ids = inputs["token_ids"]
+        if checks.is_concrete(token_ids):
+            checks.check_sequence_length(int(token_ids.shape[1]), self.max_sequence_length)
+            checks.check_token_ids(token_ids, self.vocabulary_size)
+            checks.check_token_ids(inputs["segment_ids"], self.type_vocab_size, "segment_ids")
+
+    def predict(self, x, *args, **kwargs):
+        self.check_inputs(x)
+        return super().predict(x, *args, **kwargs)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.saving.serialize_keras_object(self.get_layer("embeddings").dtype_policy),
+            "vocabulary_size": self.vocabulary_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "hidden_dim": self.hidden_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "max_sequence_length": self.max_sequence_length,
+            "type_vocab_size": self.type_vocab_size,
+            "dropout": self.dropout,
+            "attention_dropout": self.attention_dropout,
+            "activation": self.activation,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "initializer_range": self.initializer_range,
+            "output_hidden_states": self.output_hidden_states,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])
+        return cls(**config)
+
+    @classmethod
+    def load_from_preset_dir(cls, directory, load_weights=True, **overrides):
+        from kbert.presets.io import load_backbone
+
+        return load_backbone(directory, load_weights=load_weights, **overrides)
+
+    def write_preset_files(self, directory):
+        from kbert.presets.io import save_backbone
+
+        return save_backbone(directory, self)
+
+    @classmethod
+    def from_architecture(cls, name, **overrides):
+        """A randomly initialised backbone of a named size (`bert_base`, ...).
+
+        Example:
+        >>> BertBackbone.from_architecture("bert_tiny", vocabulary_size=100).num_layers
+        2
+        """
+        from kbert.presets.architectures import architecture_config
+
+        return cls(**{**architecture_config(name), **overrides})

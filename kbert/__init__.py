@@ -3,5 +3,6 @@
 from kbert.version import __version__
 from kbert import layers, presets
 from kbert.models import BertBackbone
+from kbert.tokenizers import BertTokenizer
 
-__all__ = ["BertBackbone", "layers", "presets", "__version__"]
+__all__ = ["BertBackbone", "BertTokenizer", "layers", "presets", "__version__"]

@@ -1,0 +1,206 @@
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kbert.tokenizers import BertTokenizer, train_wordpiece_vocabulary, truncate_pair
+from tests.tokenizers.reference import ReferenceTokenizer, data_dir, minilm_vocab, shared_texts
+
+tf = pytest.importorskip("tensorflow")
+pytest.importorskip("tensorflow_text")
+
+needs_data = pytest.mark.skipif(data_dir() is None, reason="../shared/data is not present")
+
+
+@pytest.fixture(scope="module")
+def uncased():
+    return BertTokenizer(minilm_vocab(), lowercase=True)
+
+
+@pytest.fixture(scope="module")
+def cased(tmp_path_factory):
+    root = data_dir()
+    files = [os.path.join(root, "corpora", f) for f in ("sherlock.txt", "wikitext-2-valid.tokens.txt")]
+    files.append(os.path.join(root, "conll2003", "eng.testa"))
+    path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
+    train_wordpiece_vocabulary(files, 4000, output=str(path), lowercase=False)
+    return BertTokenizer(str(path), lowercase=False)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return shared_texts()
+
+
+def _mismatches(tokenizer, texts, reference_ids):
+    ours = tokenizer.tokenize(texts)
+    return [(t, a, b) for t, a, b in zip(texts, ours, reference_ids) if a != b]
+
+
+@needs_data
+@pytest.mark.large
+@pytest.mark.parametrize("which", ["uncased", "cased"])
+def test_zero_mismatches_on_shared_data(which, request, texts):
+    tokenizer = request.getfixturevalue(which)
+    reference = ReferenceTokenizer(tokenizer.vocabulary, tokenizer.lowercase)
+    assert len(texts) > 140_000
+    bad = _mismatches(tokenizer, texts, [reference(t) for t in texts])
+    assert not bad, bad[:5]
+    in_graph = tokenizer.tf_tokenize(tf.constant(texts)).to_list()
+    bad_tf = [t for t, a, b in zip(texts, tokenizer.tokenize(texts), in_graph) if a != b]
+    assert not bad_tf, bad_tf[:5]
+
+
+@needs_data
+@pytest.mark.large
+def test_agrees_with_transformers_bert_tokenizer(uncased, texts):
+    """transformers.BertTokenizer (Rust) lowercases character by character, so a
+    word-final capital sigma becomes σ instead of the reference's ς; every
+    other text must agree exactly."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.BertTokenizer.from_pretrained(os.path.dirname(minilm_vocab()))
+    extra = ["ΟΔΟΣ", "Σ", "naïve café", "\u0085x\u0085", "a\u2028b"]
+    sample = texts + extra
+    theirs = hf(sample, add_special_tokens=False)["input_ids"]
+    bad = [t for t, a, b in zip(sample, uncased.tokenize(sample), theirs) if a != b]
+    assert "ΟΔΟΣ" in bad  # the known deviation is real...
+    assert all("Σ" in t for t in bad), [t for t in bad if "Σ" not in t][:5]  # ...and the only one
+
+
+# Characters that break tokenizers: controls, odd whitespace, zero-width and
+# format characters, U+FFFD, combining accents, CJK, emoji with ZWJ and skin
+# tones, case-changing letters (Σ, İ, ß), RTL scripts, punctuation.
+HARD = (
+    "\x00\x01\x07\x08\x0b\x0c\x1c\x1f\x7f\x85\x9f"
+    "\t\n\r \xa0\u1680\u2000\u2005\u200a\u2028\u2029\u202f\u205f\u3000"
+    "\u200b\u200c\u200d\u200e\u200f\u2060\ufeff\u00ad\ufffd"
+    "\u0300\u0301\u0308\u0327\u0345\u20dd"
+    "éÉñçÅøßẞİıΣσςΟΔ"
+    "中文字符日本語한국어\u3400\U00020000\uf900"
+    "😀👍🏽👨\u200d👩\u200d👧🇫🇷©™"
+    "عربيעברית\u0915\u094d\u0937"
+    ".,;:!?'\"()[]{}<>/\\|@#$%^&*_-+=~`«»“”‘’—–…¿¡·•§¶"
+    "aeiouxyzABCXYZ0123456789"
+)
+hard_text = st.text(alphabet=st.sampled_from(HARD), max_size=40)
+any_text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=40)
+url = st.builds(
+    lambda a, b, c: f"https://{a}.example.com/{b}?q={c}#x",
+    st.text("abcxyz-", min_size=1, max_size=8),
+    st.text("abcXYZ_/.%", max_size=12),
+    st.text("äöü 12", max_size=6),
+)
+long_word = st.builds(lambda c, n: c * n, st.sampled_from("aé中😀x"), st.integers(90, 110))
+fuzz_text = st.one_of(hard_text, hard_text, any_text, url, long_word)
+
+
+@pytest.mark.large
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(batch=st.lists(fuzz_text, min_size=100, max_size=100))
+def test_fuzz_against_reference_and_tf(uncased, batch):
+    """100 examples x 100 strings = 10,000 fuzzed strings."""
+    reference = ReferenceTokenizer(uncased.vocabulary, True)
+    ours = uncased.tokenize(batch)
+    for text, ids in zip(batch, ours):
+        assert ids == reference(text), repr(text)
+    in_graph = uncased.tf_tokenize(tf.constant([t.encode("utf-8") for t in batch])).to_list()
+    for text, a, b in zip(batch, ours, in_graph):
+        assert a == b, repr(text)
+
+
+def test_empty_whitespace_and_huge_strings(uncased):
+    assert uncased.tokenize("") == []
+    assert uncased.tokenize(" \t\n\u3000\u200b") == []
+    packed = uncased("")
+    assert packed["token_ids"][0, :3].tolist() == [uncased.cls_id, uncased.sep_id, uncased.pad_id]
+    assert packed["padding_mask"][0].sum() == 2
+    huge = "The quick brown fox jumps over the lazy dog. " * 2300  # ~100 KB
+    ids = uncased.tokenize(huge)
+    assert len(ids) == 10 * 2300
+    assert uncased.tf_tokenize(huge).numpy().tolist() == ids
+    assert uncased(huge, sequence_length=16)["padding_mask"].sum() == 16
+
+
+def test_long_word_is_unknown_by_characters(uncased):
+    assert uncased.tokenize("a" * 101) == [uncased.unk_id]
+    assert uncased.tokenize("é" * 100) != [uncased.unk_id] or uncased.tokenize("e" * 100) == [uncased.unk_id]
+    assert uncased.tf_tokenize(["a" * 101, "é" * 40]).to_list() == uncased.tokenize(["a" * 101, "é" * 40])
+
+
+def test_pair_packing(uncased):
+    out = uncased(["hello world"], ["how are you"], sequence_length=12)
+    tokens = [uncased.id_to_token(i) for i in out["token_ids"][0]]
+    assert tokens == ["[CLS]", "hello", "world", "[SEP]", "how", "are", "you", "[SEP]", "[PAD]", "[PAD]", "[PAD]", "[PAD]"]
+    assert out["segment_ids"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert out["padding_mask"][0].tolist() == [1] * 8 + [0] * 4
+    in_graph = uncased.tf_call(tf.constant(["hello world"]), tf.constant(["how are you"]), 12)
+    for key in out:
+        np.testing.assert_array_equal(out[key], in_graph[key].numpy())
+
+
+def test_truncation_is_longest_first_in_both_paths():
+    from kbert.tokenizers.tf_ops import truncate_pair_lengths
+
+    cases = [(a, b, m) for a in range(9) for b in range(9) for m in range(1, 12)]
+    la, lb, m = (np.array(c) for c in zip(*cases))
+    got_a, got_b = [], []
+    for limit in sorted(set(m.tolist())):
+        sel = m == limit
+        ra, rb = truncate_pair_lengths(tf.constant(la[sel]), tf.constant(lb[sel]), int(limit))
+        got_a += ra.numpy().tolist()
+        got_b += rb.numpy().tolist()
+    expected = []
+    for limit in sorted(set(m.tolist())):
+        for a, b, mm in cases:
+            if mm == limit:
+                ta, tb = truncate_pair(range(a), range(b), mm)
+                expected.append((len(ta), len(tb)))
+    assert list(zip(got_a, got_b)) == expected
+
+
+def test_offsets_point_into_the_original_text(uncased):
+    text = "Héllo, WORLD!  Naïve\u200bcafé 中文 unaffable"
+    ids, starts, ends = uncased.tokenize_with_offsets(text)
+    assert ids == uncased.tokenize(text)
+    for token_id, s, e in zip(ids, starts, ends):
+        piece = uncased.id_to_token(token_id).removeprefix("##")
+        assert uncased.normalize(text[s:e]).replace(" ", "") == piece
+
+
+def test_detokenize_and_lookup(uncased):
+    ids = uncased.tokenize("unaffable tokenization")
+    assert uncased.detokenize(ids) == "unaffable tokenization"
+    assert uncased.token_to_id(uncased.id_to_token(ids[0])) == ids[0]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        uncased.id_to_token(10**9)
+
+
+@pytest.mark.parametrize("missing", ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+def test_vocabulary_without_special_token(missing):
+    vocab = [t for t in ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"] if t != missing]
+    with pytest.raises(ValueError, match=rf"no \{missing}"):
+        BertTokenizer(vocab)
+
+
+def test_save_and_load(uncased, tmp_path):
+    uncased.save(tmp_path)
+    again = BertTokenizer.load(tmp_path)
+    assert again.vocabulary == uncased.vocabulary and again.lowercase
+    # A Hugging Face directory (do_lower_case in tokenizer_config.json) loads too.
+    hf = BertTokenizer.load(os.path.dirname(minilm_vocab()))
+    assert hf.lowercase and hf.vocabulary_size == 30522
+
+
+def test_trained_vocabulary(cased):
+    assert cased.vocabulary[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert 3000 < cased.vocabulary_size <= 4000
+    ids = cased.tokenize("Sherlock Holmes said to Watson")
+    assert cased.unk_id not in ids
+    assert cased.tokenize("Holmes") != cased.tokenize("holmes")
+
+
+def test_training_on_empty_input_fails_clearly():
+    with pytest.raises(ValueError, match="no text"):
+        train_wordpiece_vocabulary(["", "  "], 100)

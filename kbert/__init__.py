@@ -6,3 +6,12 @@ from kbert.models import BertBackbone
 from kbert.tokenizers import BertTokenizer
 
 __all__ = ["BertBackbone", "BertTokenizer", "layers", "presets", "__version__"]
+
+
+def __getattr__(name):
+    # Submodules that import TensorFlow or heavy extras load on first use.
+    if name in ("data", "convert", "training", "cli"):
+        import importlib
+
+        return importlib.import_module(f"kbert.{name}")
+    raise AttributeError(f"module 'kbert' has no attribute {name!r}")

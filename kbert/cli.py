@@ -1,6 +1,7 @@
-"""The `kbert` command."""
+"""The `kbert` command: presets, create-pretraining-data, check-pretraining-data, pretrain."""
 
 import argparse
+import json
 import sys
 
 
@@ -12,16 +13,93 @@ def _presets(args):
     return 0
 
 
+def _create(args):
+    from kbert.data import MaskingConfig, create_pretraining_data
+    from kbert.tokenizers import BertTokenizer
+
+    tokenizer = BertTokenizer(args.vocab, lowercase=args.lowercase)
+    masking = MaskingConfig(
+        max_seq_length=args.max_seq_length,
+        max_predictions_per_seq=args.max_predictions_per_seq,
+        masked_lm_prob=args.masked_lm_prob,
+        short_seq_prob=args.short_seq_prob,
+        whole_word_mask=args.whole_word_mask,
+    )
+    create_pretraining_data(
+        args.input,
+        tokenizer,
+        args.output,
+        masking=masking,
+        dupe_factor=args.dupe_factor,
+        seed=args.seed,
+        format=args.format,
+        workers=args.workers,
+    )
+    return 0
+
+
+def _check(args):
+    from kbert.data import check_directory
+
+    print(json.dumps(check_directory(args.directory), indent=2))
+    return 0
+
+
+def _pretrain(args, rest):
+    import runpy
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain.py")
+    if not os.path.isfile(script):
+        print("kbert pretrain needs examples/pretrain.py (run from a source checkout)", file=sys.stderr)
+        return 2
+    sys.argv = [script] + rest
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="kbert", description="BERT for Keras 3.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("presets", help="list registered presets").set_defaults(func=_presets)
+
+    create = commands.add_parser(
+        "create-pretraining-data",
+        help="documents -> MLM/NSP TFRecords (original BERT feature format)",
+    )
+    create.add_argument("--input", nargs="+", required=True, help="corpus files, one output shard each")
+    create.add_argument("--vocab", required=True, help="vocab.txt")
+    create.add_argument("--output", required=True, help="output directory")
+    create.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    create.add_argument("--format", default="lines", choices=["lines", "prose", "wikitext"])
+    create.add_argument("--max-seq-length", type=int, default=128)
+    create.add_argument("--max-predictions-per-seq", type=int, default=20)
+    create.add_argument("--masked-lm-prob", type=float, default=0.15)
+    create.add_argument("--dupe-factor", type=int, default=10)
+    create.add_argument("--short-seq-prob", type=float, default=0.1)
+    create.add_argument("--seed", type=int, default=12345)
+    create.add_argument("--whole-word-mask", action="store_true")
+    create.add_argument("--workers", type=int, default=None)
+    create.set_defaults(func=_create)
+
+    check = commands.add_parser("check-pretraining-data", help="statistics of a created directory")
+    check.add_argument("directory")
+    check.set_defaults(func=_check)
+
+    commands.add_parser("pretrain", help="run examples/pretrain.py (same flags)", add_help=False)
     return parser
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "pretrain":
+        return _pretrain(None, argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        print(f"kbert {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ class MaskedLMHead(keras.layers.Layer):
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
 
-    def build(self, sequence_shape, mask_positions_shape=None):
+    def build(self, sequence_output_shape, mask_positions_shape=None):
         self.transform.build((None, None, self.hidden_dim))
         self.layer_norm.build((None, None, self.hidden_dim))
         if self.token_embedding is None:
@@ -143,8 +143,8 @@ class MaskedLMHead(keras.layers.Layer):
         logits = ops.cast(logits, "float32")
         return logits + ops.cast(self.output_bias, "float32")
 
-    def compute_output_shape(self, sequence_shape, mask_positions_shape=None):
-        return (sequence_shape[0], mask_positions_shape[1], self.vocabulary_size)
+    def compute_output_shape(self, sequence_output_shape, mask_positions_shape=None):
+        return (sequence_output_shape[0], mask_positions_shape[1], self.vocabulary_size)
 
     def compute_output_spec(self, sequence_output, mask_positions):
         shape = (sequence_output.shape[0], mask_positions.shape[1], self.vocabulary_size)

@@ -81,11 +81,16 @@ def write_json(directory, name, obj):
         f.write("\n")
 
 
-def save_weights_file(directory, name, layer, exclude=()):
+def save_weights_file(directory, name, layer, exclude=(), exact=False):
+    """Saves `layer`'s weights, leaving out paths in `exclude` (prefixes, or
+    exact paths when `exact`)."""
     from safetensors.numpy import save_file
 
+    excluded = set(exclude) if exact else None
     weights = {
-        k: v for k, v in weights_dict(layer).items() if not any(k.startswith(e) for e in exclude)
+        k: v
+        for k, v in weights_dict(layer).items()
+        if (k not in excluded if exact else not any(k.startswith(e) for e in exclude))
     }
     save_file(weights, os.path.join(directory, name))
 

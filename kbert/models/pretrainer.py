@@ -1,0 +1,147 @@
+"""BertPreTrainer (masked LM + next sentence prediction) and BertMaskedLM.
+
+Shapes: B batch, T tokens, P predictions per sequence, V vocabulary.
+Inputs: token_ids, segment_ids, padding_mask (B, T), mask_positions (B, P).
+Targets: mask_ids, mask_weights (B, P), next_sentence_labels (B,).
+"""
+
+import keras
+from keras import ops
+
+from kbert.layers import MaskedLMHead, NextSentenceHead
+from kbert.models.task import Task
+
+
+def masked_lm_loss(mask_ids, logits, mask_weights):
+    """Mean cross-entropy over real predictions (weight 1), float32.
+
+    Padded prediction slots have weight 0; a batch without any real
+    prediction gives loss 0, not NaN (the original adds 1e-5 the same way).
+    """
+    logits = ops.cast(logits, "float32")
+    weights = ops.cast(mask_weights, "float32")
+    losses = keras.losses.sparse_categorical_crossentropy(
+        ops.cast(mask_ids, "int32"), logits, from_logits=True
+    )  # (B, P)
+    return ops.sum(losses * weights) / (ops.sum(weights) + 1e-5)
+
+
+def next_sentence_loss(labels, logits):
+    losses = keras.losses.sparse_categorical_crossentropy(
+        ops.cast(labels, "int32"), ops.cast(logits, "float32"), from_logits=True
+    )
+    return ops.mean(losses)
+
+
+class _PreTrainingTask(Task):
+    """Shared graph and loss of BertPreTrainer and BertMaskedLM."""
+
+    with_nsp = True
+
+    def __init__(self, backbone, preprocessor=None, **kwargs):
+        policy = backbone.get_layer("embeddings").dtype_policy
+        inputs = {name: backbone.input[name] for name in ("token_ids", "segment_ids", "padding_mask")}
+        inputs["mask_positions"] = keras.Input(shape=(None,), dtype="int32", name="mask_positions")
+        features = backbone({k: inputs[k] for k in ("token_ids", "segment_ids", "padding_mask")})
+        mlm_head = MaskedLMHead(
+            backbone.vocabulary_size,
+            backbone.hidden_dim,
+            activation=backbone.activation,
+            layer_norm_epsilon=backbone.layer_norm_epsilon,
+            initializer_range=backbone.initializer_range,
+            token_embedding=backbone.token_embedding,
+            dtype=policy,
+            name="mlm_head",
+        )
+        outputs = {"mlm_logits": mlm_head(features["sequence_output"], inputs["mask_positions"])}
+        if self.with_nsp:
+            nsp_head = NextSentenceHead(backbone.initializer_range, dtype=policy, name="nsp_head")
+            outputs["nsp_logits"] = nsp_head(features["pooled_output"])
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self._set_backbone(backbone, preprocessor)
+        self.mlm_loss_tracker = keras.metrics.Mean(name="mlm_loss")
+        self.mlm_accuracy = keras.metrics.Mean(name="mlm_accuracy")
+        if self.with_nsp:
+            self.nsp_loss_tracker = keras.metrics.Mean(name="nsp_loss")
+            self.nsp_accuracy = keras.metrics.SparseCategoricalAccuracy(name="nsp_accuracy")
+
+    @property
+    def metrics(self):
+        own = [self.mlm_loss_tracker, self.mlm_accuracy]
+        if self.with_nsp:
+            own += [self.nsp_loss_tracker, self.nsp_accuracy]
+        return super().metrics + own
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        missing = [k for k in self._target_names() if k not in (y or {})]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__} needs targets {list(self._target_names())}; missing {missing}"
+            )
+        weights = ops.cast(y["mask_weights"], "float32")
+        mlm = masked_lm_loss(y["mask_ids"], y_pred["mlm_logits"], weights)
+        correct = ops.cast(
+            ops.equal(ops.argmax(y_pred["mlm_logits"], axis=-1), ops.cast(y["mask_ids"], "int32")), "float32"
+        )
+        self.mlm_loss_tracker.update_state(mlm)
+        self.mlm_accuracy.update_state(correct, sample_weight=weights)
+        total = mlm
+        if self.with_nsp:
+            nsp = next_sentence_loss(y["next_sentence_labels"], y_pred["nsp_logits"])
+            self.nsp_loss_tracker.update_state(nsp)
+            self.nsp_accuracy.update_state(y["next_sentence_labels"], y_pred["nsp_logits"])
+            total = total + nsp
+        for extra in self.losses:
+            total = total + ops.cast(extra, "float32")
+        return total
+
+    def _target_names(self):
+        names = ("mask_ids", "mask_weights")
+        return names + ("next_sentence_labels",) if self.with_nsp else names
+
+    def compile(self, optimizer="adamw", **kwargs):
+        """Defaults to AdamW 1e-4 with warm-up, weight decay 0.01 (not on
+        LayerNorm and biases) and global-norm clipping 1.0 when `optimizer`
+        is "adamw"; any Keras optimizer is accepted."""
+        if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
+            from kbert.training import create_optimizer
+
+            optimizer = create_optimizer(
+                kind=optimizer,
+                learning_rate=kwargs.pop("learning_rate", 1e-4),
+                num_train_steps=kwargs.pop("num_train_steps", 10_000),
+                num_warmup_steps=kwargs.pop("num_warmup_steps", 100),
+            )
+        policy = self.backbone.get_layer("embeddings").dtype_policy
+        if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        super().compile(optimizer=optimizer, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BertPreTrainer(_PreTrainingTask):
+    """BERT pre-training: masked LM on `mask_positions` + next sentence prediction.
+
+    Outputs `mlm_logits` (B, P, V) and `nsp_logits` (B, 2), both float32.
+    `fit` takes `(x, y)` batches from `kbert.data` and reports `mlm_loss`,
+    `mlm_accuracy`, `nsp_loss`, `nsp_accuracy`.
+
+    Args:
+        backbone: `kbert.BertBackbone`.
+
+    Example:
+    >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
+    >>> model = BertPreTrainer(backbone)
+    >>> model.compile()
+    """
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BertMaskedLM(_PreTrainingTask):
+    """Masked-LM pre-training only (no NSP), e.g. RoBERTa-style training.
+
+    Example:
+    >>> model = BertMaskedLM(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16))
+    """
+
+    with_nsp = False

@@ -1,0 +1,91 @@
+"""Checkpoints that let a killed run continue exactly where it stopped."""
+
+import json
+import math
+import os
+import shutil
+
+import keras
+import numpy as np
+
+STATE_FILE = "state.json"
+ARRAYS_FILE = "variables.npz"
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced NaN/inf; the last good checkpoint is kept."""
+
+
+def _variables(model):
+    """Model variables (weights and RNG states) and optimizer variables, in order."""
+    model_vars = list(model.variables)
+    optimizer = model.optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        opt_vars = list(optimizer.variables)
+    else:
+        opt_vars = list(optimizer.variables) if optimizer is not None else []
+    return model_vars, opt_vars
+
+
+def save_checkpoint(model, directory, step, keep=2, extra=None):
+    """Writes `<directory>/ckpt-<step>/` atomically; keeps the newest `keep`."""
+    os.makedirs(directory, exist_ok=True)
+    model_vars, opt_vars = _variables(model)
+    arrays = {f"model_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(model_vars)}
+    arrays.update({f"optimizer_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(opt_vars)})
+    for name, value in arrays.items():
+        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+            raise NonFiniteLossError(f"refusing to checkpoint step {step}: {name} is not finite")
+    final = os.path.join(directory, f"ckpt-{step:09d}")
+    staging = final + ".tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    np.savez(os.path.join(staging, ARRAYS_FILE), **arrays)
+    state = {
+        "step": int(step),
+        "model_variables": [v.path for v in model_vars],
+        "optimizer_variables": [v.path for v in opt_vars],
+        **(extra or {}),
+    }
+    with open(os.path.join(staging, STATE_FILE), "w") as f:
+        json.dump(state, f, indent=1)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    checkpoints = sorted(d for d in os.listdir(directory) if d.startswith("ckpt-") and not d.endswith(".tmp"))
+    for old in checkpoints[:-keep]:
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+    return final
+
+
+class ResumableCheckpoint(keras.callbacks.Callback):
+    """Saves weights, optimizer state (step, moments, loss scale) and RNG
+    state at the end of every fit "epoch" (one checkpoint interval), and
+    stops at the first non-finite loss without saving it.
+
+    Args:
+        directory: str. checkpoint directory.
+        steps_per_checkpoint: int. steps in one fit epoch.
+        keep: int. checkpoints kept.
+    """
+
+    def __init__(self, directory, steps_per_checkpoint, keep=2):
+        super().__init__()
+        self.directory = directory
+        self.steps_per_checkpoint = steps_per_checkpoint
+        self.keep = keep
+        self.failed_step = None
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(float(loss)):
+            self.failed_step = self._epoch * self.steps_per_checkpoint + batch + 1
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.failed_step is not None:
+            return
+        save_checkpoint(self.model, self.directory, (epoch + 1) * self.steps_per_checkpoint, self.keep)

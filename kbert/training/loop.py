@@ -1,0 +1,101 @@
+"""`fit_resumable`: model.fit in checkpoint-sized epochs that a restarted
+process continues from the last checkpoint (weights, optimizer state, schedule
+step, RNG state and data position)."""
+
+import json
+import os
+
+import numpy as np
+
+from kbert.training.callbacks import ARRAYS_FILE, STATE_FILE, NonFiniteLossError, ResumableCheckpoint, _variables
+
+
+def latest_checkpoint(directory):
+    """Path of the newest complete checkpoint in `directory`, or None."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    names = sorted(
+        d for d in os.listdir(directory)
+        if d.startswith("ckpt-") and not d.endswith(".tmp")
+        and os.path.isfile(os.path.join(directory, d, STATE_FILE))
+    )
+    return os.path.join(directory, names[-1]) if names else None
+
+
+def restore_checkpoint(model, path):
+    """Loads a checkpoint into a compiled model; returns its step."""
+    with open(os.path.join(path, STATE_FILE)) as f:
+        state = json.load(f)
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    model_vars, opt_vars = _variables(model)
+    if len(model_vars) != len(state["model_variables"]) or len(opt_vars) != len(state["optimizer_variables"]):
+        raise ValueError(
+            f"checkpoint {path} was written by a different model or optimizer "
+            f"({len(state['model_variables'])}/{len(state['optimizer_variables'])} variables, "
+            f"this one has {len(model_vars)}/{len(opt_vars)}); use a new checkpoint directory"
+        )
+    with np.load(os.path.join(path, ARRAYS_FILE), allow_pickle=False) as arrays:
+        for prefix, variables in (("model", model_vars), ("optimizer", opt_vars)):
+            for i, variable in enumerate(variables):
+                value = arrays[f"{prefix}_{i:05d}"]
+                if tuple(value.shape) != tuple(variable.shape):
+                    raise ValueError(f"checkpoint {path}: {variable.path} has shape {value.shape}, expected {variable.shape}")
+                variable.assign(value)
+    return int(state["step"])
+
+
+def fit_resumable(
+    model,
+    make_dataset,
+    total_steps,
+    checkpoint_dir,
+    steps_per_checkpoint=100,
+    callbacks=(),
+    verbose="auto",
+    keep=2,
+):
+    """Trains a compiled model for `total_steps`, checkpointing as it goes.
+
+    Args:
+        model: compiled keras.Model.
+        make_dataset: callable(skip_batches) -> an endless deterministic
+            dataset of batches that starts `skip_batches` batches in.
+        total_steps: int. a multiple of `steps_per_checkpoint`.
+        checkpoint_dir: str. where checkpoints live; an existing checkpoint
+            there is resumed from.
+        steps_per_checkpoint: int.
+        callbacks: more Keras callbacks (CSVLogger, TensorBoard, ...).
+
+    Returns:
+        (history or None, first step of this run).
+
+    Raises:
+        NonFiniteLossError: naming the step; the last good checkpoint stays.
+    """
+    if total_steps % steps_per_checkpoint:
+        raise ValueError(
+            f"total_steps={total_steps} must be a multiple of steps_per_checkpoint={steps_per_checkpoint}"
+        )
+    start = 0
+    checkpoint = latest_checkpoint(checkpoint_dir)
+    if checkpoint is not None:
+        start = restore_checkpoint(model, checkpoint)
+    if start >= total_steps:
+        return None, start
+    saver = ResumableCheckpoint(checkpoint_dir, steps_per_checkpoint, keep)
+    history = model.fit(
+        make_dataset(start),
+        initial_epoch=start // steps_per_checkpoint,
+        epochs=total_steps // steps_per_checkpoint,
+        steps_per_epoch=steps_per_checkpoint,
+        callbacks=[saver, *callbacks],
+        verbose=verbose,
+    )
+    if saver.failed_step is not None:
+        raise NonFiniteLossError(
+            f"loss became NaN/inf at step {saver.failed_step}; training stopped. The last good "
+            f"checkpoint is {latest_checkpoint(checkpoint_dir)} (lower the learning rate, check the "
+            "data, or use float32 / loss scaling)"
+        )
+    return history, start

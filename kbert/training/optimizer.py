@@ -1,0 +1,76 @@
+"""The original BERT optimisation: AdamW (weight decay 0.01, not on LayerNorm
+and biases), linear warm-up then linear decay, global-norm clipping 1.0;
+LAMB for large batches."""
+
+import keras
+from keras import ops
+
+NO_DECAY = ("gamma", "beta", "bias")
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """lr(step) = peak * step / warmup before `warmup_steps`, then
+    peak * (1 - step / total_steps) (as the original `optimization.py`).
+
+    Args:
+        peak_learning_rate: float.
+        total_steps: int. steps to decay to 0 over.
+        warmup_steps: int. linear warm-up steps.
+
+    Example:
+    >>> float(WarmupLinearDecay(1e-4, 100, 10)(5))
+    5e-05
+    """
+
+    def __init__(self, peak_learning_rate, total_steps, warmup_steps=0):
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be at least 1, got {total_steps}")
+        self.peak_learning_rate = float(peak_learning_rate)
+        self.total_steps = int(total_steps)
+        self.warmup_steps = int(warmup_steps)
+
+    def __call__(self, step):
+        step = ops.cast(step, "float32")
+        decay = self.peak_learning_rate * ops.maximum(0.0, 1.0 - step / self.total_steps)
+        if self.warmup_steps <= 0:
+            return decay
+        warmup = self.peak_learning_rate * step / self.warmup_steps
+        return ops.where(step < self.warmup_steps, warmup, decay)
+
+    def get_config(self):
+        return {
+            "peak_learning_rate": self.peak_learning_rate,
+            "total_steps": self.total_steps,
+            "warmup_steps": self.warmup_steps,
+        }
+
+
+def create_optimizer(
+    learning_rate=1e-4,
+    num_train_steps=10_000,
+    num_warmup_steps=100,
+    weight_decay=0.01,
+    clipnorm=1.0,
+    kind="adamw",
+):
+    """AdamW (or LAMB) with the BERT schedule and weight-decay exclusions.
+
+    Args:
+        learning_rate: float. peak learning rate.
+        num_train_steps: int. total optimisation steps (decay to 0).
+        num_warmup_steps: int. linear warm-up steps.
+        weight_decay: float. decoupled weight decay.
+        clipnorm: float or None. global-norm clipping.
+        kind: str. "adamw" or "lamb".
+    """
+    schedule = WarmupLinearDecay(learning_rate, num_train_steps, num_warmup_steps)
+    common = dict(learning_rate=schedule, weight_decay=weight_decay, global_clipnorm=clipnorm)
+    if kind == "adamw":
+        optimizer = keras.optimizers.AdamW(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
+    elif kind == "lamb":
+        optimizer = keras.optimizers.Lamb(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
+    else:
+        raise ValueError(f"unknown optimizer {kind!r}; use 'adamw' or 'lamb'")
+    optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    return optimizer

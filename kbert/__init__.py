@@ -2,10 +2,10 @@
 
 from kbert.version import __version__
 from kbert import layers, presets
-from kbert.models import BertBackbone, BertMaskedLM, BertPreTrainer
+from kbert.models import BertBackbone, BertMaskedLM, BertPreprocessor, BertPreTrainer
 from kbert.tokenizers import BertTokenizer
 
-__all__ = ["BertBackbone", "BertMaskedLM", "BertPreTrainer", "BertTokenizer", "layers", "presets", "__version__"]
+__all__ = ["BertBackbone", "BertMaskedLM", "BertPreprocessor", "BertPreTrainer", "BertTokenizer", "layers", "presets", "__version__"]
 
 
 def __getattr__(name):

@@ -27,15 +27,13 @@ class CorpusReport:
     files: int = 0
     documents: int = 0
     sentences: int = 0
-    skipped_lines: int = 0
     skipped_documents: int = 0
     tokens: int = 0
 
     def __str__(self):
         return (
             f"read {self.files} file(s): {self.documents} documents, {self.sentences} sentences, "
-            f"{self.tokens} tokens; skipped {self.skipped_lines} empty/undecodable lines and "
-            f"{self.skipped_documents} empty documents"
+            f"{self.tokens} tokens; skipped {self.skipped_documents} empty documents"
         )
 
 
@@ -89,8 +87,7 @@ def documents_from_text(text, format="lines", min_document_sentences=20, splitte
     if format == "lines":
         for line in text.splitlines():
             line = line.strip()
-            if not line:
-                report.skipped_lines += 1
+            if not line:  # a blank line ends a document
                 documents.append([])
             else:
                 documents[-1].append(line)
@@ -108,8 +105,6 @@ def documents_from_text(text, format="lines", min_document_sentences=20, splitte
             if len(documents[-1]) >= min_document_sentences:
                 documents.append([])
     kept = [d for d in documents if d]
-    report.skipped_documents += len(documents) - len(kept) - (1 if not documents[-1] else 0)
-    report.skipped_documents = max(report.skipped_documents, 0)
     report.documents += len(kept)
     report.sentences += sum(len(d) for d in kept)
     return kept

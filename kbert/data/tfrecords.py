@@ -89,6 +89,7 @@ def pretraining_dataset(
     shuffle_buffer=10_000,
     cycle_length=8,
     drop_remainder=True,
+    skip_batches=0,
 ):
     """A tf.data pipeline of `(x, y)` batches from pre-training TFRecords.
 
@@ -103,6 +104,9 @@ def pretraining_dataset(
         shuffle_buffer: int. example shuffle buffer.
         cycle_length: int. files read in parallel.
         drop_remainder: bool. fixed batch shapes (no recompilation).
+        skip_batches: int. start this many batches in (resuming a run: the
+            stream is deterministic under a seed, so this restores the data
+            position; skipped batches are read but not parsed).
 
     Example:
     >>> ds = pretraining_dataset("data/*.tfrecord", batch_size=32, seed=0)  # doctest: +SKIP
@@ -128,6 +132,8 @@ def pretraining_dataset(
     if shuffle:
         ds = ds.shuffle(shuffle_buffer, seed=seed, reshuffle_each_iteration=True)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    if skip_batches:
+        ds = ds.skip(skip_batches)
     spec = feature_spec(max_seq_length, max_predictions_per_seq)
     ds = ds.map(
         lambda records: to_model_batch(tf.io.parse_example(records, spec)),
@@ -145,6 +151,7 @@ def dynamic_pretraining_dataset(
     seed=0,
     repeat=False,
     drop_remainder=True,
+    skip_batches=0,
 ):
     """Batches made on the fly from tokenized documents: fresh NSP pairs and
     masks every epoch (epoch e uses seed + e), nothing written to disk.
@@ -181,5 +188,7 @@ def dynamic_pretraining_dataset(
     if repeat:
         ds = ds.repeat()
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    if skip_batches:
+        ds = ds.skip(skip_batches)
     ds = ds.map(to_model_batch, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.prefetch(tf.data.AUTOTUNE)

@@ -119,4 +119,6 @@ class Task(PresetMixin, keras.Model):
 
     @classmethod
     def default_preprocessor(cls, directory, backbone):
-        return None
+        from kbert.models.preprocessor import BertPreprocessor
+
+        return BertPreprocessor.from_directory(directory, min(128, backbone.max_sequence_length))

@@ -1,0 +1,115 @@
+"""BertPreprocessor: raw strings (or pairs) -> model inputs, attached to tasks."""
+
+import json
+import os
+
+import keras
+import numpy as np
+
+from kbert.tokenizers import BertTokenizer
+
+PREPROCESSOR_FILE = "preprocessor.json"
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BertPreprocessor(keras.layers.Layer):
+    """Tokenizes and packs text for a task model.
+
+    In Python (`__call__` on str / lists / numpy string arrays) it uses the
+    tokenizer's fast Python path; on tf.string tensors (inside tf.data) the
+    in-graph path. Both give the same ids.
+
+    Args:
+        tokenizer: `kbert.BertTokenizer`.
+        sequence_length: int. packed length T.
+        truncate: str. only "longest_first" (the original BERT rule).
+
+    Example:
+    >>> pre = BertPreprocessor(BertTokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hi"]), 8)
+    >>> pre(["hi"])["token_ids"].tolist()
+    [[2, 5, 3, 0, 0, 0, 0, 0]]
+    """
+
+    def __init__(self, tokenizer, sequence_length=128, truncate="longest_first", **kwargs):
+        kwargs.pop("dtype", None)
+        super().__init__(trainable=False, dtype="int32", **kwargs)
+        if isinstance(tokenizer, dict):
+            tokenizer = BertTokenizer(**tokenizer)
+        if truncate != "longest_first":
+            raise ValueError(f"truncate={truncate!r}: only 'longest_first' is supported")
+        self.tokenizer = tokenizer
+        self.sequence_length = int(sequence_length)
+        self.truncate = truncate
+
+    @staticmethod
+    def _texts(values, what):
+        if isinstance(values, str):
+            return [values]
+        if isinstance(values, np.ndarray):
+            values = values.reshape(-1).tolist()
+        out = []
+        for value in values:
+            if isinstance(value, bytes):
+                value = value.decode("utf-8", errors="replace")
+            if not isinstance(value, str):
+                raise ValueError(f"{what} must be strings, got {type(value).__name__}: {value!r}"[:200])
+            out.append(value)
+        return out
+
+    def call(self, texts, pairs=None):
+        if _is_tf_tensor(texts):
+            return self.tokenizer.tf_call(texts, pairs, self.sequence_length)
+        texts = self._texts(texts, "texts")
+        pairs = self._texts(pairs, "text pairs") if pairs is not None else None
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError(f"got {len(texts)} texts but {len(pairs)} pairs")
+        return self.tokenizer(texts, pairs, self.sequence_length)
+
+    def __call__(self, texts, pairs=None):
+        # Plain Python/NumPy in, NumPy out: no backend tensors, no tracing.
+        return self.call(texts, pairs)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("dtype", None)
+        config.pop("trainable", None)
+        tok = self.tokenizer
+        config.update(
+            tokenizer={
+                "vocabulary": tok.vocabulary,
+                "lowercase": tok.lowercase,
+                "max_input_chars_per_word": tok.max_input_chars_per_word,
+                **{f"{k}_token": v for k, v in tok.special_tokens.items()},
+            },
+            sequence_length=self.sequence_length,
+            truncate=self.truncate,
+        )
+        return config
+
+    def save_to_directory(self, directory):
+        files = self.tokenizer.save(directory)
+        with open(os.path.join(directory, PREPROCESSOR_FILE), "w") as f:
+            json.dump({"sequence_length": self.sequence_length, "truncate": self.truncate}, f, indent=2)
+        return files + [PREPROCESSOR_FILE]
+
+    @classmethod
+    def from_directory(cls, directory, default_sequence_length=128):
+        """From tokenizer files in a preset or Hugging Face directory, or None."""
+        if not os.path.isfile(os.path.join(directory, "vocab.txt")):
+            return None
+        sequence_length = default_sequence_length
+        path = os.path.join(directory, PREPROCESSOR_FILE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                sequence_length = json.load(f).get("sequence_length", sequence_length)
+        return cls(BertTokenizer.load(directory), sequence_length)
+
+
+def _is_tf_tensor(value):
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        return False
+    import tensorflow as tf
+
+    return isinstance(value, (tf.Tensor, tf.RaggedTensor)) and value.dtype == tf.string

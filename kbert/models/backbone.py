@@ -172,6 +172,16 @@ class BertBackbone(PresetMixin, keras.Model):
             checks.check_token_ids(token_ids, self.vocabulary_size)
             checks.check_token_ids(inputs["segment_ids"], self.type_vocab_size, "segment_ids")
 
+    def __call__(self, inputs, *args, **kwargs):
+        if isinstance(inputs, dict) and set(inputs) != set(INPUT_NAMES):
+            missing = [name for name in INPUT_NAMES if name not in inputs]
+            if missing:
+                raise ValueError(
+                    f"inputs lack {missing}; BertBackbone takes a dict with {list(INPUT_NAMES)}"
+                )
+            inputs = {name: inputs[name] for name in INPUT_NAMES}  # ignore extra keys
+        return super().__call__(inputs, *args, **kwargs)
+
     def predict(self, x, *args, **kwargs):
         self.check_inputs(x)
         return super().predict(x, *args, **kwargs)

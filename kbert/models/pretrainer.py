@@ -18,12 +18,16 @@ def masked_lm_loss(mask_ids, logits, mask_weights):
     Padded prediction slots have weight 0; a batch without any real
     prediction gives loss 0, not NaN (the original adds 1e-5 the same way).
     """
-    logits = ops.cast(logits, "float32")
+    total, weight = _masked_lm_sums(mask_ids, logits, mask_weights)
+    return total / (weight + 1e-5)
+
+
+def _masked_lm_sums(mask_ids, logits, mask_weights):
     weights = ops.cast(mask_weights, "float32")
     losses = keras.losses.sparse_categorical_crossentropy(
-        ops.cast(mask_ids, "int32"), logits, from_logits=True
+        ops.cast(mask_ids, "int32"), ops.cast(logits, "float32"), from_logits=True
     )  # (B, P)
-    return ops.sum(losses * weights) / (ops.sum(weights) + 1e-5)
+    return ops.sum(losses * weights), ops.sum(weights)
 
 
 def next_sentence_loss(labels, logits):
@@ -78,17 +82,24 @@ class _PreTrainingTask(Task):
             raise ValueError(
                 f"{type(self).__name__} needs targets {list(self._target_names())}; missing {missing}"
             )
+        from kbert.training.distribution import replica_sum
+
         weights = ops.cast(y["mask_weights"], "float32")
-        mlm = masked_lm_loss(y["mask_ids"], y_pred["mlm_logits"], weights)
+        # Normalised by global totals, so that replicas' gradients sum to the
+        # single-device gradient of the same global batch.
+        local_total, local_weight = _masked_lm_sums(y["mask_ids"], y_pred["mlm_logits"], weights)
+        global_weight, replicas = replica_sum(local_weight)
+        mlm = local_total / (global_weight + 1e-5)
+        global_mlm = replica_sum(mlm)[0] if replicas > 1 else mlm
         correct = ops.cast(
             ops.equal(ops.argmax(y_pred["mlm_logits"], axis=-1), ops.cast(y["mask_ids"], "int32")), "float32"
         )
-        self.mlm_loss_tracker.update_state(mlm)
+        self.mlm_loss_tracker.update_state(global_mlm)
         self.mlm_accuracy.update_state(correct, sample_weight=weights)
         total = mlm
         if self.with_nsp:
-            nsp = next_sentence_loss(y["next_sentence_labels"], y_pred["nsp_logits"])
-            self.nsp_loss_tracker.update_state(nsp)
+            nsp = next_sentence_loss(y["next_sentence_labels"], y_pred["nsp_logits"]) / replicas
+            self.nsp_loss_tracker.update_state(replica_sum(nsp)[0] if replicas > 1 else nsp)
             self.nsp_accuracy.update_state(y["next_sentence_labels"], y_pred["nsp_logits"])
             total = total + nsp
         for extra in self.losses:

@@ -33,6 +33,7 @@ def save_checkpoint(model, directory, step, keep=2, extra=None):
     model_vars, opt_vars = _variables(model)
     arrays = {f"model_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(model_vars)}
     arrays.update({f"optimizer_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(opt_vars)})
+    arrays.update(_backend_rng_state())
     for name, value in arrays.items():
         if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
             raise NonFiniteLossError(f"refusing to checkpoint step {step}: {name} is not finite")
@@ -57,6 +58,34 @@ def save_checkpoint(model, directory, step, keep=2, extra=None):
     return final
 
 
+def _backend_rng_state():
+    """RNG state that lives outside Keras variables.
+
+    Keras' torch backend draws unseeded dropout masks from torch's global
+    generator, so resuming exactly needs that generator's state too.
+    """
+    if keras.backend.backend() != "torch":
+        return {}
+    import torch
+
+    state = {"rng_torch_cpu": torch.get_rng_state().numpy()}
+    if torch.cuda.is_available():
+        for i, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"rng_torch_cuda_{i}"] = cuda_state.numpy()
+    return state
+
+
+def restore_backend_rng_state(arrays):
+    if keras.backend.backend() != "torch" or "rng_torch_cpu" not in arrays:
+        return
+    import torch
+
+    torch.set_rng_state(torch.from_numpy(arrays["rng_torch_cpu"].copy()))
+    cuda = sorted(k for k in arrays if k.startswith("rng_torch_cuda_"))
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([torch.from_numpy(arrays[k].copy()) for k in cuda])
+
+
 class ResumableCheckpoint(keras.callbacks.Callback):
     """Saves weights, optimizer state (step, moments, loss scale) and RNG
     state at the end of every fit "epoch" (one checkpoint interval), and
@@ -75,6 +104,14 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self.keep = keep
         self.failed_step = None
         self._epoch = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # At the first batch, after the data iterator exists: creating torch's
+        # data-loader iterator draws from the global generator.
+        pending = getattr(self.model, "_kbert_pending_rng", None)
+        if pending:
+            restore_backend_rng_state(pending)
+            self.model._kbert_pending_rng = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

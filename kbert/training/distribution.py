@@ -50,3 +50,21 @@ def distribution_scope(engine="none", devices=None, tpu=None):
         tf.tpu.experimental.initialize_tpu_system(resolver)
         strategy = tf.distribute.TPUStrategy(resolver)
     return strategy.scope(), strategy.num_replicas_in_sync
+
+
+def replica_sum(value):
+    """(sum of `value` over the replicas in sync, number of replicas).
+
+    Under a TensorFlow strategy each replica computes its loss on its slice
+    of the global batch and the gradients are summed; normalising by global
+    totals (not per-replica ones) makes distributed training equal to
+    single-device training on the same global batch. JAX data parallelism
+    computes on the global batch already, so there it is the identity.
+    """
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, value), context.num_replicas_in_sync
+    return value, 1

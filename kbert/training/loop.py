@@ -7,7 +7,13 @@ import os
 
 import numpy as np
 
-from kbert.training.callbacks import ARRAYS_FILE, STATE_FILE, NonFiniteLossError, ResumableCheckpoint, _variables
+from kbert.training.callbacks import (
+    ARRAYS_FILE,
+    STATE_FILE,
+    NonFiniteLossError,
+    ResumableCheckpoint,
+    _variables,
+)
 
 
 def latest_checkpoint(directory):
@@ -23,7 +29,11 @@ def latest_checkpoint(directory):
 
 
 def restore_checkpoint(model, path):
-    """Loads a checkpoint into a compiled model; returns its step."""
+    """Loads a checkpoint into a compiled model; returns its step.
+
+    Backend RNG state outside Keras variables (torch's generator) is set when
+    the next `fit` reaches its first batch (`ResumableCheckpoint`), after
+    Keras' own set-up, which may draw from it."""
     with open(os.path.join(path, STATE_FILE)) as f:
         state = json.load(f)
     if model.optimizer is not None and not model.optimizer.built:
@@ -42,6 +52,7 @@ def restore_checkpoint(model, path):
                 if tuple(value.shape) != tuple(variable.shape):
                     raise ValueError(f"checkpoint {path}: {variable.path} has shape {value.shape}, expected {variable.shape}")
                 variable.assign(value)
+        model._kbert_pending_rng = {k: arrays[k] for k in arrays.files if k.startswith("rng_")}
     return int(state["step"])
 
 

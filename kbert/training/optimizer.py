@@ -46,6 +46,38 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
+class _ClipAfterAllReduce:
+    """Global-norm clipping of the *summed* gradient under a TF strategy.
+
+    Keras clips each replica's gradients before they are summed across
+    replicas, so with several replicas the clipped update differs from
+    single-device training. Here the gradients are all-reduced first,
+    clipped, and divided by the replica count (the optimizer's own sum
+    then restores the clipped global gradient).
+    """
+
+    def _clip_gradients(self, grads):
+        if self.global_clipnorm and keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            context = tf.distribute.get_replica_context()
+            if context is not None and context.num_replicas_in_sync > 1:
+                replicas = context.num_replicas_in_sync
+                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+                return [g / replicas for g in super()._clip_gradients(summed)]
+        return super()._clip_gradients(grads)
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class AdamW(_ClipAfterAllReduce, keras.optimizers.AdamW):
+    """keras.optimizers.AdamW with replica-exact global-norm clipping."""
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class Lamb(_ClipAfterAllReduce, keras.optimizers.Lamb):
+    """keras.optimizers.Lamb with replica-exact global-norm clipping."""
+
+
 def create_optimizer(
     learning_rate=1e-4,
     num_train_steps=10_000,
@@ -67,9 +99,9 @@ def create_optimizer(
     schedule = WarmupLinearDecay(learning_rate, num_train_steps, num_warmup_steps)
     common = dict(learning_rate=schedule, weight_decay=weight_decay, global_clipnorm=clipnorm)
     if kind == "adamw":
-        optimizer = keras.optimizers.AdamW(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
+        optimizer = AdamW(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
     elif kind == "lamb":
-        optimizer = keras.optimizers.Lamb(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
+        optimizer = Lamb(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
     else:
         raise ValueError(f"unknown optimizer {kind!r}; use 'adamw' or 'lamb'")
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))

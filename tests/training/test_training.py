@@ -1,0 +1,158 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.training import NonFiniteLossError, WarmupLinearDecay, create_optimizer, fit_resumable, latest_checkpoint
+from tests.harness import TINY
+from tests.models.test_pretrainer import batch
+
+
+def test_schedule_matches_the_original():
+    schedule = WarmupLinearDecay(1e-3, total_steps=100, warmup_steps=10)
+    values = [float(keras.ops.convert_to_numpy(schedule(s))) for s in (0, 5, 10, 50, 100, 150)]
+    np.testing.assert_allclose(values, [0.0, 5e-4, 9e-4, 5e-4, 0.0, 0.0], atol=1e-9)
+
+
+def test_weight_decay_skips_layer_norm_and_bias():
+    optimizer = create_optimizer(learning_rate=0.1, num_train_steps=10, num_warmup_steps=0, weight_decay=0.5, clipnorm=None)
+    kernel = keras.Variable(np.ones((2, 2), "float32"), name="kernel")
+    bias = keras.Variable(np.ones((2,), "float32"), name="bias")
+    gamma = keras.Variable(np.ones((2,), "float32"), name="gamma")
+    optimizer.build([kernel, bias, gamma])
+    zeros = [keras.ops.zeros((2, 2)), keras.ops.zeros((2,)), keras.ops.zeros((2,))]
+    optimizer.apply(zeros, [kernel, bias, gamma])
+    assert np.all(keras.ops.convert_to_numpy(kernel) < 1.0)  # decayed
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(bias), 1.0)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(gamma), 1.0)
+
+
+def _batches(nan_at=None):
+    items = []
+    for i in range(8):
+        x, y = batch(seed=i)
+        if i == nan_at:
+            y["mask_weights"] = np.full_like(y["mask_weights"], np.nan)
+        items.append((x, y))
+    return items
+
+
+def _make_dataset(items):
+    """A deterministic endless tf.data stream of the batches, as in pretrain.py."""
+    tf = pytest.importorskip("tensorflow")
+    stacked = keras.tree.map_structure(lambda *a: np.stack(a), *items)
+
+    def make(skip):
+        return tf.data.Dataset.from_tensor_slices(stacked).repeat().skip(skip)
+
+    return make
+
+
+def _model(seed):
+    keras.utils.set_random_seed(seed)
+    model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY))
+    model.compile(optimizer=create_optimizer(1e-3, 6, 2))
+    return model
+
+
+def _weights(model):
+    return [keras.ops.convert_to_numpy(v) for v in model.weights]
+
+
+def test_killed_and_resumed_run_equals_uninterrupted(tmp_path):
+    items = _batches()
+    full = _model(0)
+    fit_resumable(full, _make_dataset(items), 6, str(tmp_path / "full"), steps_per_checkpoint=2, verbose=0)
+
+    first = _model(0)
+    fit_resumable(first, _make_dataset(items), 4, str(tmp_path / "cut"), steps_per_checkpoint=2, verbose=0)
+    del first  # the process "dies" after step 4
+    resumed = _model(99)  # a new process: different initial weights and RNG
+    _, start = fit_resumable(resumed, _make_dataset(items), 6, str(tmp_path / "cut"), steps_per_checkpoint=2, verbose=0)
+    assert start == 4
+    for a, b in zip(_weights(full), _weights(resumed)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert int(keras.ops.convert_to_numpy(resumed.optimizer.iterations)) == 6
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    model = _model(0)
+    with pytest.raises(NonFiniteLossError, match="step 3"):
+        fit_resumable(model, _make_dataset(_batches(nan_at=2)), 6, str(tmp_path), steps_per_checkpoint=2, verbose=0)
+    assert latest_checkpoint(str(tmp_path)).endswith("ckpt-000000002")
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    items = _batches()
+    fit_resumable(_model(0), _make_dataset(items), 2, str(tmp_path), steps_per_checkpoint=2, verbose=0)
+    other = kbert.BertPreTrainer(kbert.BertBackbone(**{**TINY, "num_layers": 1}))
+    other.compile(optimizer=create_optimizer(1e-3, 6, 2))
+    with pytest.raises(ValueError, match="different model"):
+        fit_resumable(other, _make_dataset(items), 4, str(tmp_path), steps_per_checkpoint=2, verbose=0)
+
+
+DISTRIBUTED = textwrap.dedent(
+    """
+    import os, sys, numpy as np, keras, kbert
+    from kbert.training import create_optimizer, distribution_scope
+    from tests.harness import TINY
+    from tests.models.test_pretrainer import batch
+    engine, out = sys.argv[1], sys.argv[2]
+    devices = None
+    if engine == "tf-mirrored":
+        import tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        devices = ["/cpu:0", "/cpu:1"]
+    scope, replicas = distribution_scope(engine, devices=devices)
+    keras.utils.set_random_seed(0)
+    with scope:
+        model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY, dropout=0.0, attention_dropout=0.0))
+        model.compile(optimizer=create_optimizer(1e-3, 10, 0, clipnorm=float(sys.argv[3])))
+    xs, ys = zip(*[batch(seed=i) for i in range(3)])
+    x = {k: np.concatenate([b[k] for b in xs]) for k in xs[0]}
+    y = {k: np.concatenate([b[k] for b in ys]) for k in ys[0]}
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    np.savez(out, replicas=replicas, *[keras.ops.convert_to_numpy(v) for v in model.weights])
+    """
+)
+
+
+def _train(engine, out, env_extra, clipnorm):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **env_extra)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", DISTRIBUTED, engine, out, str(clipnorm)], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with np.load(out) as f:
+        return int(f["replicas"]), [f[f"arr_{i}"] for i in range(len(f.files) - 1)]
+
+
+@pytest.mark.parametrize("engine", ["jax-data-parallel", "tf-mirrored"])
+@pytest.mark.parametrize("clipnorm", [1e9, 0.01])  # clipping off, and always active
+def test_distributed_equals_single_device(engine, clipnorm, tmp_path):
+    backend = "jax" if engine.startswith("jax") else "tensorflow"
+    if keras.backend.backend() != backend:
+        pytest.skip(f"{engine} runs in the {backend} pass of the suite")
+    extra = {"KERAS_BACKEND": backend}
+    if backend == "jax":
+        extra["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    replicas, distributed = _train(engine, str(tmp_path / "d.npz"), extra, clipnorm)
+    assert replicas == 2
+    _, single = _train("none", str(tmp_path / "s.npz"), {"KERAS_BACKEND": backend}, clipnorm)
+    for a, b in zip(distributed, single):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_torch_backend_refuses_multi_device_engines():
+    from kbert.training import distribution_scope
+
+    if keras.backend.backend() != "torch":
+        pytest.skip("torch pass only")
+    with pytest.raises(ValueError, match="one device only"):
+        distribution_scope("jax-data-parallel")

@@ -128,6 +128,10 @@ class _PreTrainingTask(Task):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         super().compile(optimizer=optimizer, **kwargs)
 
+    def compile_from_config(self, config):
+        # Our compile only adds defaults, so Keras' restoration applies as is.
+        return super().compile_from_config(config)
+
 
 @keras.saving.register_keras_serializable(package="kbert")
 class BertPreTrainer(_PreTrainingTask):

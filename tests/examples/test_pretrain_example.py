@@ -1,0 +1,60 @@
+"""examples/pretrain.py end to end on a tiny configuration."""
+
+import importlib.util
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("pretrain_example", os.path.join(ROOT, "examples", "pretrain.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.large
+def test_pretrain_runs_resumes_and_saves(tmp_path):
+    example = load_example()
+    with open(os.path.join(ROOT, "examples", "data", "wikitext-2-valid.tokens.txt"), encoding="utf-8") as f:
+        lines = f.readlines()[:400]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(lines), encoding="utf-8")
+    args = [
+        "--corpus", str(corpus), "--output-dir", str(tmp_path / "run"), "--vocab-size", "400",
+        "--num-layers", "1", "--hidden-dim", "16", "--num-heads", "2", "--intermediate-dim", "32",
+        "--max-seq-length", "32", "--max-predictions-per-seq", "5", "--batch-size", "4",
+        "--steps", "4", "--steps-per-checkpoint", "2", "--eval-batches", "2", "--dupe-factor", "1",
+        "--eval-fraction", "0.3", "--verbose", "0",
+    ]
+    results = example.main(args)
+    assert 0.0 <= results["mlm_accuracy"] <= 1.0 and 0.0 <= results["nsp_accuracy"] <= 1.0
+    run = tmp_path / "run"
+    assert (run / "pretrainer.keras").is_file() and (run / "preset" / "metadata.json").is_file()
+    assert (run / "logs" / "phase1.csv").is_file()
+    assert sorted(os.listdir(run / "checkpoints" / "phase1")) == ["ckpt-000000002", "ckpt-000000004"]
+    # The same command again resumes: nothing left to train, same results.
+    again = example.main(args)
+    assert again["mlm_accuracy"] == pytest.approx(results["mlm_accuracy"])
+    # The artifact reloads and predicts; the preset gives the backbone.
+    import kbert
+
+    model = keras.saving.load_model(str(run / "pretrainer.keras"))
+    x = {
+        "token_ids": np.array([[2, 10, 11, 3, 12, 3, 0, 0]], "int32"),
+        "segment_ids": np.array([[0, 0, 0, 0, 1, 1, 0, 0]], "int32"),
+        "padding_mask": np.array([[1, 1, 1, 1, 1, 1, 0, 0]], "int32"),
+        "mask_positions": np.array([[1, 4]], "int32"),
+    }
+    out = model.predict(x, verbose=0)
+    assert out["mlm_logits"].shape == (1, 2, 400) and np.all(np.isfinite(out["nsp_logits"]))
+    backbone = kbert.BertBackbone.from_preset(str(run / "preset"))
+    assert backbone.vocabulary_size == 400
+    assert json.loads((run / "results.json").read_text())["backend"] == keras.backend.backend()

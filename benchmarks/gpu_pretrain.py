@@ -1,0 +1,219 @@
+"""Pre-training step throughput on one GPU: kbert BertPreTrainer (JAX and torch
+backends, attention dropout 0 and 0.1) vs transformers BertForPreTraining
+(eager and torch.compile), identical shapes, synthetic full-length batches, bf16.
+
+    python benchmarks/gpu_pretrain.py --configs base128 --out results.json
+
+Each variant runs in its own process (the Keras backend is fixed at import).
+Prints seq/s, model TFLOP/s, MFU against a bf16 matrix product measured in
+the same run, and peak device memory.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    # name: (architecture, seq length, batch, predictions per sequence)
+    "base128": ("bert_base", 128, 256, 20),
+    "base512": ("bert_base", 512, 32, 76),
+    "large128": ("bert_large", 128, 128, 20),
+}
+VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
+VOCAB = 30522
+
+
+def train_flops_per_sequence(arch, t, p):
+    """Matmul FLOPs of one training step per sequence (forward x 3)."""
+    import importlib
+
+    sizes = importlib.import_module("kbert.presets.architectures").ARCHITECTURES[arch]
+    layers, h, i = sizes["num_layers"], sizes["hidden_dim"], sizes["intermediate_dim"]
+    encoder = t * 2 * layers * (4 * h * h + 2 * h * i) + layers * 4 * t * t * h
+    heads = p * 2 * (h * h + h * VOCAB) + 2 * 2 * h * h
+    return 3 * (encoder + heads)
+
+
+def batch(t, b, p, seed=0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = {
+        "token_ids": rng.integers(5, VOCAB, (b, t)).astype("int32"),
+        "segment_ids": (np.arange(t)[None] >= t // 2).repeat(b, 0).astype("int32"),
+        "padding_mask": np.ones((b, t), "int32"),
+        "mask_positions": np.sort(rng.integers(1, t - 1, (b, p)), axis=1).astype("int32"),
+    }
+    y = {
+        "mask_ids": rng.integers(5, VOCAB, (b, p)).astype("int32"),
+        "mask_weights": np.ones((b, p), "float32"),
+        "next_sentence_labels": rng.integers(0, 2, (b,)).astype("int32"),
+    }
+    return x, y
+
+
+def run_kbert(arch, t, b, p, dropout, steps, spe):
+    import numpy as np
+    import keras
+
+    import kbert
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    backbone = kbert.BertBackbone.from_architecture(
+        arch, max_sequence_length=512, attention_dropout=dropout, dtype="mixed_bfloat16")
+    model = kbert.BertPreTrainer(backbone)
+    model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), steps_per_execution=spe,
+                  jit_compile=True)
+    x, y = batch(t, b, p)
+    n = steps * b
+    xs = {k: np.concatenate([v] * steps) for k, v in x.items()}
+    ys = {k: np.concatenate([v] * steps) for k, v in y.items()}
+    warm = {k: v[: 2 * spe * b] for k, v in xs.items()}, {k: v[: 2 * spe * b] for k, v in ys.items()}
+    model.fit(*warm, batch_size=b, epochs=1, verbose=0, shuffle=False)
+    start = time.perf_counter()
+    logs = model.fit(xs, ys, batch_size=b, epochs=1, verbose=0, shuffle=False).history
+    seconds = time.perf_counter() - start
+    loss = float(logs["loss"][-1])
+    peak = None
+    if keras.backend.backend() == "jax":
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        peak = stats.get("peak_bytes_in_use")
+    else:
+        import torch
+
+        peak = torch.cuda.max_memory_allocated()
+    return {"seconds": seconds, "sequences": n, "loss": loss, "peak_bytes": peak,
+            "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True)}
+
+
+def run_hf(arch, t, b, p, compile_, steps):
+    import torch
+    import transformers
+
+    import kbert.presets.architectures as a
+
+    sizes = a.ARCHITECTURES[arch]
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=sizes["hidden_dim"], num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"], intermediate_size=sizes["intermediate_dim"],
+        attn_implementation="sdpa")
+    model = transformers.BertForPreTraining(config).cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    x, y = batch(t, b, p)
+    labels = torch.full((b, t), -100, dtype=torch.long)
+    pos = torch.tensor(x["mask_positions"]).long()
+    labels.scatter_(1, pos, torch.tensor(y["mask_ids"]).long())
+    inputs = {
+        "input_ids": torch.tensor(x["token_ids"]).long().cuda(),
+        "token_type_ids": torch.tensor(x["segment_ids"]).long().cuda(),
+        "attention_mask": torch.tensor(x["padding_mask"]).long().cuda(),
+        "labels": labels.cuda(),
+        "next_sentence_label": torch.tensor(y["next_sentence_labels"]).long().cuda(),
+    }
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    if compile_:
+        step = torch.compile(step)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "sequences": steps * b, "loss": float(loss), "peak_bytes": torch.cuda.max_memory_allocated()}
+
+
+def matmul_tflops():
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (time.perf_counter() - start) / 1e12
+
+
+def child(args):
+    arch, t, b, p = CONFIGS[args.config]
+    v = args.variant
+    if v.startswith("kbert"):
+        result = run_kbert(arch, t, b, p, float(v.split("drop")[1]), args.steps, args.steps_per_execution)
+    else:
+        result = run_hf(arch, t, b, p, v == "hf-compile", args.steps)
+    print("RESULT " + json.dumps(result))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps-per-execution", type=int, default=10)
+    parser.add_argument("--out", default="gpu_pretrain.json")
+    parser.add_argument("--timeout", type=int, default=240)
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--config")
+    parser.add_argument("--variant")
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    import torch
+
+    device = torch.cuda.get_device_name(0)
+    peak = matmul_tflops()
+    print(f"{device}: bf16 8192^3 matmul {peak:.0f} TFLOP/s", flush=True)
+    report = {"device": device, "matmul_tflops": peak, "results": []}
+    for config in args.configs:
+        arch, t, b, p = CONFIGS[config]
+        flops = train_flops_per_sequence(arch, t, p)
+        for variant in args.variants:
+            env = dict(os.environ)
+            if variant.startswith("kbert"):
+                env["KERAS_BACKEND"] = variant.split("-")[1]
+            steps = args.steps
+            cmd = [sys.executable, __file__, "--child", "--config", config, "--variant", variant,
+                   "--steps", str(steps), "--steps-per-execution", str(args.steps_per_execution)]
+            started = time.time()
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                if not lines:
+                    raise RuntimeError((proc.stderr or proc.stdout)[-1500:])
+                r = json.loads(lines[-1][7:])
+                sps = r["sequences"] / r["seconds"]
+                r.update(config=config, variant=variant, seq_per_s=sps, tflops=sps * flops / 1e12,
+                         mfu=sps * flops / 1e12 / peak, wall_s=time.time() - started)
+                print(f"{config:9s} {variant:20s} {sps:9.0f} seq/s {r['tflops']:6.0f} TFLOP/s MFU {r['mfu']:.2f} "
+                      f"peak {((r['peak_bytes'] or 0) / 2**30):.1f} GiB loss {r['loss']:.2f}", flush=True)
+            except Exception as e:  # report and go on: one failing variant must not lose the others
+                r = {"config": config, "variant": variant, "error": str(e)[-1500:]}
+                print(f"{config:9s} {variant:20s} FAILED: {str(e)[-600:]}", flush=True)
+            report["results"].append(r)
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

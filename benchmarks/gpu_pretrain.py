@@ -22,6 +22,8 @@ CONFIGS = {
     "base512": ("bert_base", 512, 32, 76),
     "large128": ("bert_large", 128, 128, 20),
 }
+# kbert-<backend>-drop<attention dropout>[-rbg: JAX's fast RNG for dropout]
+# [-nodrop: no dropout at all, an upper bound]; hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
 
@@ -55,15 +57,50 @@ def batch(t, b, p, seed=0):
     return x, y
 
 
-def run_kbert(arch, t, b, p, dropout, steps, spe):
+def check_fused_attention():
+    """On the GPU: the fused path equals the explicit one on a padded batch."""
+    import numpy as np
+    import keras
+
+    import kbert
+    from kbert.layers.attention import MultiHeadSelfAttention
+
+    backbone = kbert.BertBackbone(1000, 2, 4, 64, 128, max_sequence_length=64, dropout=0.0, attention_dropout=0.0)
+    rng = np.random.default_rng(0)
+    mask = (np.arange(48)[None] < rng.integers(1, 49, (8, 1))).astype("int32")
+    mask[3] = 0  # an all-padding row
+    x = {"token_ids": rng.integers(0, 1000, (8, 48)).astype("int32") * mask,
+         "segment_ids": np.zeros((8, 48), "int32"), "padding_mask": mask}
+    fused = keras.ops.convert_to_numpy(backbone(x)["sequence_output"])
+    original = MultiHeadSelfAttention.attention_path
+    MultiHeadSelfAttention.attention_path = lambda self, training=None: "explicit"
+    explicit = keras.ops.convert_to_numpy(backbone(x)["sequence_output"])
+    MultiHeadSelfAttention.attention_path = original
+    real = mask.astype(bool)
+    real[3] = False
+    error = float(np.abs(fused - explicit)[real].max())
+    return {"fused_vs_explicit_max_abs": error, "finite": bool(np.isfinite(fused).all()),
+            "path": kbert.layers.fused_attention.fused_attention_path()}
+
+
+def run_kbert(arch, t, b, p, variant, steps, spe):
     import numpy as np
     import keras
 
     import kbert
 
+    options = variant.split("-")[2:]
+    dropout = float(options[0][len("drop"):])
+    if "rbg" in options:
+        import jax
+
+        jax.config.update("jax_default_prng_impl", "unsafe_rbg")
+    if keras.backend.backend() == "torch":
+        spe = 1  # Keras' torch trainer runs one step per call
     keras.config.set_dtype_policy("mixed_bfloat16")
     backbone = kbert.BertBackbone.from_architecture(
-        arch, max_sequence_length=512, attention_dropout=dropout, dtype="mixed_bfloat16")
+        arch, max_sequence_length=512, attention_dropout=dropout, dtype="mixed_bfloat16",
+        dropout=0.0 if "nodrop" in options else 0.1)
     model = kbert.BertPreTrainer(backbone)
     model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), steps_per_execution=spe,
                   jit_compile=True)
@@ -87,8 +124,12 @@ def run_kbert(arch, t, b, p, dropout, steps, spe):
         import torch
 
         peak = torch.cuda.max_memory_allocated()
-    return {"seconds": seconds, "sequences": n, "loss": loss, "peak_bytes": peak,
-            "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True)}
+    result = {"seconds": seconds, "sequences": n, "loss": loss, "peak_bytes": peak,
+              "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True),
+              "fused_kernel": kbert.layers.fused_attention.fused_attention_path()}
+    if keras.backend.backend() == "jax":
+        result["check"] = check_fused_attention()
+    return result
 
 
 def run_hf(arch, t, b, p, compile_, steps):
@@ -158,7 +199,7 @@ def child(args):
     arch, t, b, p = CONFIGS[args.config]
     v = args.variant
     if v.startswith("kbert"):
-        result = run_kbert(arch, t, b, p, float(v.split("drop")[1]), args.steps, args.steps_per_execution)
+        result = run_kbert(arch, t, b, p, v, args.steps, args.steps_per_execution)
     else:
         result = run_hf(arch, t, b, p, v == "hf-compile", args.steps)
     print("RESULT " + json.dumps(result))
@@ -205,7 +246,7 @@ def main():
                 sps = r["sequences"] / r["seconds"]
                 r.update(config=config, variant=variant, seq_per_s=sps, tflops=sps * flops / 1e12,
                          mfu=sps * flops / 1e12 / peak, wall_s=time.time() - started)
-                print(f"{config:9s} {variant:20s} {sps:9.0f} seq/s {r['tflops']:6.0f} TFLOP/s MFU {r['mfu']:.2f} "
+                print(f"{config:9s} {variant:24s} {sps:9.0f} seq/s {r['tflops']:6.0f} TFLOP/s MFU {r['mfu']:.2f} "
                       f"peak {((r['peak_bytes'] or 0) / 2**30):.1f} GiB loss {r['loss']:.2f}", flush=True)
             except Exception as e:  # report and go on: one failing variant must not lose the others
                 r = {"config": config, "variant": variant, "error": str(e)[-1500:]}

@@ -1,5 +1,6 @@
 """Backend-agnostic BERT building blocks (keras + keras.ops only)."""
 
+from kbert.layers import fused_attention
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.attention import MultiHeadSelfAttention
 from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding

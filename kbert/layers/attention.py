@@ -4,8 +4,8 @@ Shapes: B batch, T query tokens, S key tokens (= T), N heads, D head size,
 H hidden (= N * D).
 
 Two paths compute the same function:
-- fused: `keras.ops.dot_product_attention` (cuDNN / flash / SDPA kernels where
-  the backend has them), used whenever no attention-probability dropout is
+- fused: `kbert.layers.fused_attention` (cuDNN flash attention on JAX+GPU,
+  PyTorch SDPA on torch, XLA elsewhere), used whenever no attention-probability dropout is
   active, i.e. at inference and when training with `attention_dropout=0`;
 - explicit: softmax(QK^T / sqrt(D)) with dropout on the probabilities, the
   paper's recipe, used when training with `attention_dropout > 0`.
@@ -16,6 +16,8 @@ import math
 
 import keras
 from keras import ops
+
+from kbert.layers.fused_attention import fused_attention
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -79,24 +81,22 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, D)
 
-        keep = ops.cast(padding_mask, "bool")
-        # A row with no real token would softmax over nothing (NaN); let it
-        # attend everywhere instead. Its outputs are padding and unused.
-        empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
-        keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
-
+        scale = 1.0 / math.sqrt(self.head_dim)
         if self.attention_path(training) == "fused":
-            context = ops.dot_product_attention(
-                query, key, value, mask=keep, scale=1.0 / math.sqrt(self.head_dim)
-            )  # (B, T, N, D)
+            context = fused_attention(query, key, value, padding_mask, scale)  # (B, T, N, D)
         else:
-            context = self._explicit_attention(query, key, value, keep, training)
+            keep = ops.cast(padding_mask, "bool")
+            # A row with no real token would softmax over nothing (NaN); let
+            # it attend everywhere instead. Its outputs are padding and unused.
+            empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
+            keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
+            context = self._explicit_attention(query, key, value, keep, scale, training)
         context = ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
         return self.output_dense(context)
 
-    def _explicit_attention(self, query, key, value, keep, training):
+    def _explicit_attention(self, query, key, value, keep, scale, training):
         scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
-        scores = ops.cast(scores, "float32") / math.sqrt(self.head_dim)
+        scores = ops.cast(scores, "float32") * scale
         scores = ops.where(keep, scores, ops.full_like(scores, -1e30))
         probs = ops.cast(ops.softmax(scores, axis=-1), self.compute_dtype)
         probs = self.probs_dropout(probs, training=training)

@@ -23,7 +23,8 @@ CONFIGS = {
     "large128": ("bert_large", 128, 128, 20),
 }
 # kbert-<backend>-drop<attention dropout>[-nodrop: no hidden dropout either,
-# an upper bound that shows what dropout costs]; hf-eager / hf-compile.
+# an upper bound that shows what dropout costs][-cublas: XLA without Triton
+# GEMMs]; hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
 
@@ -231,6 +232,8 @@ def main():
             env = dict(os.environ)
             if variant.startswith("kbert"):
                 env["KERAS_BACKEND"] = variant.split("-")[1]
+            if variant.endswith("-cublas"):  # matrix products through cuBLAS only
+                env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false"
             steps = args.steps
             cmd = [sys.executable, __file__, "--child", "--config", config, "--variant", variant,
                    "--steps", str(steps), "--steps-per-execution", str(args.steps_per_execution)]

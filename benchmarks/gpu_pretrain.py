@@ -24,7 +24,7 @@ CONFIGS = {
 }
 # kbert-<backend>-drop<attention dropout>[-nodrop: no hidden dropout either,
 # an upper bound that shows what dropout costs][-cublas: XLA without Triton
-# GEMMs]; hf-eager / hf-compile.
+# GEMMs][-jit: torch.compile the torch backend's step]; hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
 
@@ -102,7 +102,7 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
     # torch: Keras' torch.compile of the whole train step does not trace the
     # optimizer (regex weight-decay exclusion), so the torch backend runs eager.
     model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), steps_per_execution=spe,
-                  jit_compile=keras.backend.backend() != "torch")
+                  jit_compile=keras.backend.backend() != "torch" or "jit" in options)
     x, y = batch(t, b, p)
     n = steps * b
     xs = {k: np.concatenate([v] * steps) for k, v in x.items()}

@@ -123,6 +123,10 @@ class _PreTrainingTask(Task):
                 num_train_steps=kwargs.pop("num_train_steps", 10_000),
                 num_warmup_steps=kwargs.pop("num_warmup_steps", 100),
             )
+        from kbert.training.optimizer import exclude_from_weight_decay
+
+        if not isinstance(optimizer, str):
+            exclude_from_weight_decay(optimizer, self)
         policy = self.backbone.get_layer("embeddings").dtype_policy
         if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)

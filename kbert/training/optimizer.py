@@ -106,3 +106,17 @@ def create_optimizer(
         raise ValueError(f"unknown optimizer {kind!r}; use 'adamw' or 'lamb'")
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
     return optimizer
+
+
+def exclude_from_weight_decay(optimizer, model):
+    """Pins the LayerNorm/bias exclusion to `model`'s variables by identity.
+
+    Same variables as the name patterns, but matched without a regular
+    expression in the step, which keeps the step traceable by torch.compile.
+    A no-op for optimizers without weight decay or already built.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not getattr(inner, "weight_decay", None) or inner.built:
+        return
+    excluded = [v for v in model.trainable_variables if any(n in v.name for n in NO_DECAY)]
+    inner.exclude_from_weight_decay(var_list=excluded)

@@ -2,10 +2,28 @@
 
 from kbert.version import __version__
 from kbert import layers, presets
-from kbert.models import BertBackbone, BertMaskedLM, BertPreprocessor, BertPreTrainer
+from kbert.models import (
+    BertBackbone,
+    BertClassifier,
+    BertMaskedLM,
+    BertPreprocessor,
+    BertPreTrainer,
+    BertTextEmbedder,
+)
 from kbert.tokenizers import BertTokenizer
 
-__all__ = ["BertBackbone", "BertMaskedLM", "BertPreprocessor", "BertPreTrainer", "BertTokenizer", "layers", "presets", "__version__"]
+__all__ = [
+    "BertBackbone",
+    "BertClassifier",
+    "BertMaskedLM",
+    "BertPreprocessor",
+    "BertPreTrainer",
+    "BertTextEmbedder",
+    "BertTokenizer",
+    "layers",
+    "presets",
+    "__version__",
+]
 
 
 def __getattr__(name):

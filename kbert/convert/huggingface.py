@@ -184,3 +184,49 @@ def load_backbone(directory, load_weights=True, allow_pickle=False, **overrides)
             allow_missing=("pooler/",) if missing_pooler else (),
         )
     return backbone
+
+
+def _head_weights(model, state):
+    """kbert head paths -> arrays for the heads a Hugging Face checkpoint has."""
+    name = type(model).__name__
+    if name in ("BertPreTrainer", "BertMaskedLM"):
+        needed = ["cls.predictions.transform.dense.weight", "cls.predictions.bias"]
+        if not all(k in state for k in needed):
+            return None
+        w = {
+            "mlm_head/transform/kernel": state["cls.predictions.transform.dense.weight"].T,
+            "mlm_head/transform/bias": state["cls.predictions.transform.dense.bias"],
+            "mlm_head/layer_norm/gamma": state["cls.predictions.transform.LayerNorm.weight"],
+            "mlm_head/layer_norm/beta": state["cls.predictions.transform.LayerNorm.bias"],
+            "mlm_head/output_bias": state["cls.predictions.bias"],
+        }
+        if name == "BertPreTrainer":
+            if "cls.seq_relationship.weight" not in state:
+                return None
+            w["nsp_head/dense/kernel"] = state["cls.seq_relationship.weight"].T
+            w["nsp_head/dense/bias"] = state["cls.seq_relationship.bias"]
+        return w
+    if name == "BertClassifier":
+        if "classifier.weight" not in state:
+            return None
+        return {"logits/kernel": state["classifier.weight"].T, "logits/bias": state["classifier.bias"]}
+    return None
+
+
+def load_task_head(model, directory):
+    """Loads a task head from a Hugging Face directory's checkpoint; False when
+    the directory is not a Hugging Face one or has no matching head."""
+    if not is_huggingface_dir(directory):
+        return False
+    state = _normalise_names(load_state_dict(directory))
+    weights = _head_weights(model, state)
+    if weights is None:
+        return False
+    paths = model.head_weight_paths()
+    if set(weights) != set(paths):
+        raise PresetError(
+            f"the Hugging Face head in {directory} does not map onto {type(model).__name__}: "
+            f"expected {sorted(paths)}, got {sorted(weights)}"
+        )
+    assign_weights(model, weights, source=f"Hugging Face head in {directory}", paths=paths)
+    return True

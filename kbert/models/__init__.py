@@ -1,6 +1,16 @@
 from kbert.models.backbone import BertBackbone
+from kbert.models.classifier import BertClassifier
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.pretrainer import BertMaskedLM, BertPreTrainer
 from kbert.models.task import Task
+from kbert.models.text_embedder import BertTextEmbedder
 
-__all__ = ["BertBackbone", "BertMaskedLM", "BertPreprocessor", "BertPreTrainer", "Task"]
+__all__ = [
+    "BertBackbone",
+    "BertClassifier",
+    "BertMaskedLM",
+    "BertPreTrainer",
+    "BertPreprocessor",
+    "BertTextEmbedder",
+    "Task",
+]

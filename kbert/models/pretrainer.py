@@ -110,31 +110,10 @@ class _PreTrainingTask(Task):
         names = ("mask_ids", "mask_weights")
         return names + ("next_sentence_labels",) if self.with_nsp else names
 
-    def compile(self, optimizer="adamw", **kwargs):
-        """Defaults to AdamW 1e-4 with warm-up, weight decay 0.01 (not on
-        LayerNorm and biases) and global-norm clipping 1.0 when `optimizer`
-        is "adamw"; any Keras optimizer is accepted."""
-        if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
-            from kbert.training import create_optimizer
-
-            optimizer = create_optimizer(
-                kind=optimizer,
-                learning_rate=kwargs.pop("learning_rate", 1e-4),
-                num_train_steps=kwargs.pop("num_train_steps", 10_000),
-                num_warmup_steps=kwargs.pop("num_warmup_steps", 100),
-            )
-        from kbert.training.optimizer import exclude_from_weight_decay
-
-        if not isinstance(optimizer, str):
-            exclude_from_weight_decay(optimizer, self)
-        policy = self.backbone.get_layer("embeddings").dtype_policy
-        if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        super().compile(optimizer=optimizer, **kwargs)
-
-    def compile_from_config(self, config):
-        # Our compile only adds defaults, so Keras' restoration applies as is.
-        return super().compile_from_config(config)
+    def compile(self, optimizer="adamw", learning_rate=1e-4, num_train_steps=10_000, num_warmup_steps=100, **kwargs):
+        """Pre-training defaults: AdamW 1e-4, 100 warm-up steps, linear decay
+        over `num_train_steps`; see `Task.compile`."""
+        super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="kbert")

@@ -117,8 +117,113 @@ class Task(PresetMixin, keras.Model):
                 )
         return model
 
+    # --- raw text in fit / evaluate / predict -------------------------------
+
+    def preprocess_samples(self, x):
+        """Raw strings (a list, an array, or a (texts, pairs) tuple) -> model
+        inputs; model-input dicts pass through."""
+        if self.preprocessor is None or isinstance(x, dict) or x is None:
+            return x
+        if isinstance(x, tuple) and len(x) == 2 and _is_text(x[0]) and _is_text(x[1]):
+            return self.preprocessor(x[0], x[1])
+        if _is_text(x):
+            return self.preprocessor(x)
+        return x
+
+    def check_targets(self, y):
+        """Raises a clear error for targets the task cannot learn from."""
+
+    def _dataset(self, data, with_targets):
+        """Maps a tf.data dataset of raw strings through the in-graph
+        preprocessor. Elements are `x` (predict) or `(x, y[, w])`, where `x`
+        is a string batch or a `(texts, pairs)` tuple."""
+        import tensorflow as tf
+
+        def convert_x(x):
+            if isinstance(x, tuple) and len(x) == 2:
+                return self.preprocessor(x[0], x[1])
+            if isinstance(x, tf.Tensor) and x.dtype == tf.string:
+                return self.preprocessor(x)
+            return x
+
+        if with_targets:
+            return data.map(lambda x, *rest: (convert_x(x),) + rest, num_parallel_calls=tf.data.AUTOTUNE)
+        return data.map(lambda *x: convert_x(x if len(x) > 1 else x[0]), num_parallel_calls=tf.data.AUTOTUNE)
+
+    def _convert(self, x, y, with_targets=True):
+        if _is_tf_dataset(x):
+            return (self._dataset(x, with_targets) if self.preprocessor is not None else x), y
+        if y is not None:
+            checked = self.check_targets(y)
+            y = y if checked is None else checked
+        return self.preprocess_samples(x), y
+
+    def fit(self, x=None, y=None, *args, validation_data=None, **kwargs):
+        x, y = self._convert(x, y)
+        if isinstance(validation_data, tuple) and len(validation_data) >= 2:
+            vx, vy = self._convert(validation_data[0], validation_data[1])
+            validation_data = (vx, vy) + tuple(validation_data[2:])
+        elif _is_tf_dataset(validation_data):
+            validation_data = self._convert(validation_data, None, with_targets=True)[0]
+        return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
+
+    def evaluate(self, x=None, y=None, *args, **kwargs):
+        x, y = self._convert(x, y)
+        return super().evaluate(x, y, *args, **kwargs)
+
+    def predict(self, x, *args, **kwargs):
+        x, _ = self._convert(x, None, with_targets=False)
+        return super().predict(x, *args, **kwargs)
+
+    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None, **kwargs):
+        """Fine-tuning defaults: AdamW (weight decay 0.01, none on LayerNorm
+        and biases, global-norm clipping 1.0) at `learning_rate`, with 10%
+        linear warm-up and linear decay when `num_train_steps` is given."""
+        from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
+
+        if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
+            steps = num_train_steps or 10**9  # no decay when the length is unknown
+            warmup = num_warmup_steps if num_warmup_steps is not None else (steps // 10 if num_train_steps else 0)
+            optimizer = create_optimizer(learning_rate, steps, warmup, kind=optimizer)
+        if not isinstance(optimizer, str):
+            exclude_from_weight_decay(optimizer, self)
+        policy = self.backbone.get_layer("embeddings").dtype_policy
+        if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        super().compile(optimizer=optimizer, **kwargs)
+
+    def compile_from_config(self, config):
+        # Our compile only adds defaults, so a saved compile config replays as is.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.optimizer is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     @classmethod
     def default_preprocessor(cls, directory, backbone):
         from kbert.models.preprocessor import BertPreprocessor
 
         return BertPreprocessor.from_directory(directory, min(128, backbone.max_sequence_length))
+
+
+def _is_text(x):
+    import numpy as np
+
+    if isinstance(x, str):
+        return True
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind in ("U", "S", "O") and (x.size == 0 or isinstance(x.reshape(-1)[0], (str, bytes)))
+    if isinstance(x, (list, tuple)):
+        # any string: the preprocessor then names whatever is not one
+        return any(isinstance(v, (str, bytes)) for v in x)
+    return False
+
+
+def _is_tf_dataset(x):
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        return False
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset)

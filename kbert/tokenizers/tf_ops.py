@@ -44,7 +44,8 @@ def lowercase_fixups():
         for cp in range(sys.maxunicode + 1)
         if not (0xD800 <= cp < 0xE000) and not unicodedata.category(chr(cp)).startswith("C")
     ]
-    lowered = tf.strings.lower(tf.constant(chars), encoding="utf-8").numpy()
+    with tf.init_scope():  # eager, also when first called inside tf.data / tf.function
+        lowered = tf.strings.lower(tf.constant(chars), encoding="utf-8").numpy()
     return tuple((c, c.lower()) for c, l in zip(chars, lowered) if l.decode("utf-8") != c.lower())
 
 

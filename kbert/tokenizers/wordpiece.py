@@ -282,11 +282,15 @@ class BertTokenizer:
         """In-graph tokenization for tf.data: tf.string [B] -> ragged int32 [B, (T)]
         (a scalar string gives [T]). Same ids as `tokenize`."""
         if self._tf is None:
+            import tensorflow as tf
+
             from kbert.tokenizers.tf_ops import TFWordpiece
 
-            self._tf = TFWordpiece(
-                self.vocabulary, self.lowercase, self.special_tokens["unk"], self.max_input_chars_per_word
-            )
+            # Built eagerly, so that its tables outlive the first tf.data graph.
+            with tf.init_scope():
+                self._tf = TFWordpiece(
+                    self.vocabulary, self.lowercase, self.special_tokens["unk"], self.max_input_chars_per_word
+                )
         return self._tf(strings)
 
     def tf_pack(self, first, second=None, sequence_length=128):

@@ -1,0 +1,96 @@
+"""BertClassifier: [CLS] -> classifier, for single texts and text pairs.
+
+Shapes: B batch, C classes.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from kbert.models.task import Task
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BertClassifier(Task):
+    """Sequence classification (and regression) from the pooled [CLS] output.
+
+    `fit`, `evaluate` and `predict` take raw strings, `(texts, pairs)` tuples
+    or tf.data datasets of them when a preprocessor is attached (presets
+    attach one). `num_classes=1` is regression (STS-B): mean squared error.
+
+    Args:
+        backbone: `kbert.BertBackbone`.
+        num_classes: int. C; 1 for regression.
+        preprocessor: `kbert.BertPreprocessor` or None.
+        dropout: float. dropout before the classifier (0.1 in the paper).
+        freeze_backbone: bool. train the head only (feature-based use).
+
+    Example:
+    >>> model = BertClassifier(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_classes=3)
+    >>> model.compile()
+    """
+
+    def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs):
+        if not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        policy = backbone.get_layer("embeddings").dtype_policy
+        inputs = {name: backbone.input[name] for name in ("token_ids", "segment_ids", "padding_mask")}
+        pooled = backbone(inputs)["pooled_output"]
+        x = keras.layers.Dropout(dropout, dtype=policy, name="classifier_dropout")(pooled)
+        logits = keras.layers.Dense(
+            num_classes,
+            kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.initializer_range),
+            dtype=policy,
+            name="logits",
+        )(x)
+        logits = keras.layers.Activation("linear", dtype="float32", name="float32_logits")(logits)
+        super().__init__(inputs=inputs, outputs=logits, **kwargs)
+        self._set_backbone(backbone, preprocessor)
+        self.num_classes = num_classes
+        self.dropout = dropout
+        self.freeze_backbone = freeze_backbone
+        backbone.trainable = not freeze_backbone
+
+    def task_config(self):
+        return {"num_classes": self.num_classes, "dropout": self.dropout, "freeze_backbone": self.freeze_backbone}
+
+    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None, loss=None, metrics=None, **kwargs):
+        if loss is None:
+            loss = "mse" if self.num_classes == 1 else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if metrics is None:
+            metrics = [keras.metrics.MeanAbsoluteError()] if self.num_classes == 1 else [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+        super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, loss=loss, metrics=metrics, **kwargs)
+
+    def check_targets(self, y):
+        if _is_tensor_like(y) is False:
+            return None
+        values = np.asarray(keras.ops.convert_to_numpy(y) if not isinstance(y, np.ndarray) else y)
+        if self.num_classes == 1:
+            values = values.astype("float32")
+            if not np.all(np.isfinite(values)):
+                bad = values[~np.isfinite(values)][0]
+                raise ValueError(f"regression targets contain {bad}; remove or fix those examples")
+            return values
+        if values.dtype.kind == "f" and not np.all(np.mod(values, 1) == 0):
+            raise ValueError("classification labels must be integers (class ids); for scores use num_classes=1")
+        values = values.astype("int64")
+        if values.size and (values.min() < 0 or values.max() >= self.num_classes):
+            bad = values.max() if values.max() >= self.num_classes else values.min()
+            raise ValueError(
+                f"label {bad} is outside [0, {self.num_classes}); labels are class ids 0..{self.num_classes - 1}"
+            )
+        return values
+
+    def predict_classes(self, x, **kwargs):
+        """Class ids (or scores for regression) for raw texts or inputs."""
+        logits = self.predict(x, verbose=0, **kwargs)
+        return logits[:, 0] if self.num_classes == 1 else np.argmax(logits, axis=-1)
+
+
+def _is_tensor_like(y):
+    if isinstance(y, (list, tuple, np.ndarray)):
+        return True
+    try:
+        return ops.is_tensor(y)
+    except Exception:
+        return False

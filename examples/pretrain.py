@@ -1,7 +1,8 @@
 """Pre-train a BERT (masked LM + next sentence prediction) from raw text.
 
-With no arguments: trains a WordPiece vocabulary on the shipped WikiText-2
-validation split, creates MLM/NSP TFRecords, pre-trains a small BERT on the
+With no arguments: trains a WordPiece vocabulary on the shipped corpus
+(WikiText-2 validation articles, The Adventures of Sherlock Holmes,
+tiny-shakespeare; see examples/data/README.md), creates MLM/NSP TFRecords, pre-trains a small BERT on the
 CPU for a few minutes, reports held-out masked-LM and NSP accuracy, and saves
 a `.keras` file and a preset.
 
@@ -35,8 +36,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
-    data.add_argument("--corpus", nargs="+", default=[os.path.join(HERE, "data", "wikitext-2-valid.tokens.txt")])
-    data.add_argument("--format", default="wikitext", choices=["lines", "prose", "wikitext"])
+    data.add_argument("--corpus", nargs="+", default=[
+        os.path.join(HERE, "data", name)
+        for name in ("wikitext-2-valid.tokens.txt", "sherlock.txt", "tinyshakespeare.txt")])
+    data.add_argument("--format", default="auto", choices=["auto", "lines", "prose", "wikitext"],
+                      help="auto: wikitext if '= Title =' lines, else prose")
     data.add_argument("--output-dir", default="runs/pretrain")
     data.add_argument("--vocab", default=None, help="existing vocab.txt (else one is trained)")
     data.add_argument("--vocab-size", type=int, default=6000)

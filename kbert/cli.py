@@ -45,6 +45,47 @@ def _check(args):
     return 0
 
 
+def _load_any(source, allow_pickle=False):
+    """The model a preset or Hugging Face directory holds, with its head."""
+    import json
+    import os
+
+    import kbert
+    from kbert.convert import huggingface
+
+    task_path = os.path.join(source, "task.json")
+    if os.path.isfile(task_path):
+        with open(task_path) as f:
+            name = json.load(f).get("class_name")
+        cls = getattr(kbert, str(name), None)
+        if cls is None:
+            raise ValueError(f"{task_path} names an unknown task {name!r}")
+        return cls.from_preset(source)
+    if huggingface.is_huggingface_dir(source):
+        with open(os.path.join(source, "config.json")) as f:
+            config = json.load(f)
+        architecture = (config.get("architectures") or ["BertModel"])[0]
+        if architecture == "BertForPreTraining":
+            return kbert.BertPreTrainer.from_preset(source)
+        if architecture == "BertForMaskedLM":
+            return kbert.BertMaskedLM.from_preset(source)
+        if architecture == "BertForSequenceClassification":
+            return kbert.BertClassifier.from_preset(source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2))
+    return kbert.BertBackbone.from_preset(source)
+
+
+def _convert(args):
+    from kbert.convert.huggingface import export_to_huggingface
+
+    model = _load_any(args.source)
+    if args.to == "huggingface":
+        export_to_huggingface(model, args.destination)
+    else:
+        model.save_to_preset(args.destination)
+    print(f"wrote {type(model).__name__} to {args.destination} ({args.to})")
+    return 0
+
+
 def _pretrain(args, rest):
     import runpy
     import os
@@ -81,6 +122,12 @@ def build_parser():
     create.add_argument("--whole-word-mask", action="store_true")
     create.add_argument("--workers", type=int, default=None)
     create.set_defaults(func=_create)
+
+    convert = commands.add_parser("convert", help="kbert preset <-> Hugging Face directory")
+    convert.add_argument("source", help="kbert preset or Hugging Face BERT directory")
+    convert.add_argument("destination")
+    convert.add_argument("--to", choices=["kbert", "huggingface"], default="kbert")
+    convert.set_defaults(func=_convert)
 
     check = commands.add_parser("check-pretraining-data", help="statistics of a created directory")
     check.add_argument("directory")

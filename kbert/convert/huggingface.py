@@ -230,3 +230,116 @@ def load_task_head(model, directory):
         )
     assign_weights(model, weights, source=f"Hugging Face head in {directory}", paths=paths)
     return True
+
+
+KBERT_TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "tanh": "tanh", "silu": "silu"}
+HF_ARCHITECTURES = {
+    "BertBackbone": "BertModel",
+    "BertPreTrainer": "BertForPreTraining",
+    "BertMaskedLM": "BertForMaskedLM",
+    "BertClassifier": "BertForSequenceClassification",
+    "BertTextEmbedder": "BertModel",
+}
+
+
+def backbone_state_to_hf(backbone, prefix=""):
+    """kbert backbone weights -> Hugging Face BertModel names (numpy)."""
+    w = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in backbone.weights}
+    h = backbone.hidden_dim
+    out = {
+        "embeddings.word_embeddings.weight": w["embeddings/token_embedding/embeddings"],
+        "embeddings.token_type_embeddings.weight": w["embeddings/segment_embedding/embeddings"],
+        "embeddings.position_embeddings.weight": w["embeddings/position_embeddings"],
+        "embeddings.LayerNorm.weight": w["embeddings/layer_norm/gamma"],
+        "embeddings.LayerNorm.bias": w["embeddings/layer_norm/beta"],
+        "pooler.dense.weight": w["pooler/dense/kernel"].T,
+        "pooler.dense.bias": w["pooler/dense/bias"],
+    }
+    for i in range(backbone.num_layers):
+        ours, hf = f"transformer_layer_{i}/", f"encoder.layer.{i}."
+        kernel, bias = w[ours + "self_attention/qkv/kernel"], w[ours + "self_attention/qkv/bias"]
+        for j, name in enumerate(("query", "key", "value")):
+            out[hf + f"attention.self.{name}.weight"] = kernel[:, j * h:(j + 1) * h].T
+            out[hf + f"attention.self.{name}.bias"] = bias[j * h:(j + 1) * h]
+        for theirs, mine in [
+            ("attention.output.dense", "self_attention/output"),
+            ("intermediate.dense", "intermediate_dense"),
+            ("output.dense", "output_dense"),
+        ]:
+            out[hf + theirs + ".weight"] = w[ours + mine + "/kernel"].T
+            out[hf + theirs + ".bias"] = w[ours + mine + "/bias"]
+        for theirs, mine in [("attention.output.LayerNorm", "attention_layer_norm"), ("output.LayerNorm", "output_layer_norm")]:
+            out[hf + theirs + ".weight"] = w[ours + mine + "/gamma"]
+            out[hf + theirs + ".bias"] = w[ours + mine + "/beta"]
+    return {prefix + k: v for k, v in out.items()}
+
+
+def export_to_huggingface(model, directory):
+    """Writes a Hugging Face BERT directory (config.json, model.safetensors,
+    vocab.txt + tokenizer_config.json when a preprocessor is attached) that
+    `transformers` loads with the matching `BertFor...` class."""
+    import os
+
+    from safetensors.numpy import save_file
+
+    name = type(model).__name__
+    if name not in HF_ARCHITECTURES:
+        raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
+    backbone = model if name == "BertBackbone" else model.backbone
+    os.makedirs(directory, exist_ok=True)
+    prefix = "" if HF_ARCHITECTURES[name] == "BertModel" else "bert."
+    state = backbone_state_to_hf(backbone, prefix)
+    config = {
+        "architectures": [HF_ARCHITECTURES[name]],
+        "model_type": "bert",
+        "vocab_size": backbone.vocabulary_size,
+        "hidden_size": backbone.hidden_dim,
+        "num_hidden_layers": backbone.num_layers,
+        "num_attention_heads": backbone.num_heads,
+        "intermediate_size": backbone.intermediate_dim,
+        "max_position_embeddings": backbone.max_sequence_length,
+        "type_vocab_size": backbone.type_vocab_size,
+        "hidden_dropout_prob": backbone.dropout,
+        "attention_probs_dropout_prob": backbone.attention_dropout,
+        "hidden_act": KBERT_TO_HF_ACTIVATION[backbone.activation],
+        "layer_norm_eps": backbone.layer_norm_epsilon,
+        "initializer_range": backbone.initializer_range,
+        "position_embedding_type": "absolute",
+        "pad_token_id": 0,
+    }
+    heads = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights} if name != "BertBackbone" else {}
+    if name in ("BertPreTrainer", "BertMaskedLM"):
+        state.update({
+            "cls.predictions.transform.dense.weight": heads["mlm_head/transform/kernel"].T,
+            "cls.predictions.transform.dense.bias": heads["mlm_head/transform/bias"],
+            "cls.predictions.transform.LayerNorm.weight": heads["mlm_head/layer_norm/gamma"],
+            "cls.predictions.transform.LayerNorm.bias": heads["mlm_head/layer_norm/beta"],
+            "cls.predictions.bias": heads["mlm_head/output_bias"],
+            "cls.predictions.decoder.bias": heads["mlm_head/output_bias"],
+        })
+        if name == "BertPreTrainer":
+            state["cls.seq_relationship.weight"] = heads["nsp_head/dense/kernel"].T
+            state["cls.seq_relationship.bias"] = heads["nsp_head/dense/bias"]
+        else:
+            state = {k: v for k, v in state.items() if not k.startswith("bert.pooler.")}
+    elif name == "BertClassifier":
+        state["classifier.weight"] = heads["logits/kernel"].T
+        state["classifier.bias"] = heads["logits/bias"]
+        config["num_labels"] = model.num_classes
+        if model.num_classes == 1:
+            config["problem_type"] = "regression"
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    preprocessor = getattr(model, "preprocessor", None)
+    if preprocessor is not None:
+        preprocessor.tokenizer.save(directory)
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump({
+                "tokenizer_class": "BertTokenizer",
+                "do_lower_case": preprocessor.tokenizer.lowercase,
+                "model_max_length": backbone.max_sequence_length,
+                **{f"{k}_token": v for k, v in preprocessor.tokenizer.special_tokens.items()},
+            }, f, indent=2)
+    return directory

@@ -7,7 +7,8 @@ Formats:
   lines, sentences by pysbd, and consecutive paragraphs are grouped into
   documents of at least `min_document_sentences` sentences;
 - "wikitext": WikiText files, where a `= Title =` line starts an article;
-  sentences by pysbd.
+  sentences by pysbd;
+- "auto": "wikitext" for files with `= Title =` lines, else "prose".
 Any iterable of documents (each a string or a list of sentences) is accepted
 too, so a Hugging Face `datasets` corpus can stream in.
 """
@@ -16,7 +17,7 @@ import dataclasses
 import os
 import re
 
-FORMATS = ("lines", "prose", "wikitext")
+FORMATS = ("lines", "prose", "wikitext", "auto")
 _WIKI_TITLE = re.compile(r"^ = [^=].* = $")
 
 
@@ -83,6 +84,8 @@ def documents_from_text(text, format="lines", min_document_sentences=20, splitte
     report = report if report is not None else CorpusReport()
     if format not in FORMATS:
         raise ValueError(f"unknown corpus format {format!r}; use one of {FORMATS}")
+    if format == "auto":
+        format = "wikitext" if any(_WIKI_TITLE.match(line) for line in text.splitlines()[:200]) else "prose"
     documents = [[]]
     if format == "lines":
         for line in text.splitlines():

@@ -124,3 +124,60 @@ def test_real_minilm_checkpoint_matches_transformers():
     mask = x["padding_mask"][..., None]
     assert x["padding_mask"].min() == 0  # the batch really is padded
     assert np.max(np.abs((y - ref) * mask)) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["backbone", "pretrainer", "classifier"])
+def test_export_loads_in_transformers_and_round_trips(kind, tmp_path):
+    from kbert.convert.huggingface import export_to_huggingface
+
+    backbone = kbert.BertBackbone(vocabulary_size=99, num_layers=2, num_heads=4, hidden_dim=32,
+                                  intermediate_dim=37, max_sequence_length=64, activation="gelu_tanh")
+    x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
+    torch_x = dict(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
+                   attention_mask=torch.tensor(x["padding_mask"]).long())
+    mask = x["padding_mask"][..., None]
+    if kind == "backbone":
+        model = backbone
+        export_to_huggingface(model, tmp_path / "hf")
+        hf = transformers.BertModel.from_pretrained(tmp_path / "hf").eval()
+        with torch.no_grad():
+            ref = hf(**torch_x).last_hidden_state.numpy()
+        assert np.max(np.abs((harness.to_numpy(model(x))["sequence_output"] - ref) * mask)) <= 1e-5
+        again = kbert.BertBackbone.from_preset(tmp_path / "hf")
+    elif kind == "pretrainer":
+        model = kbert.BertPreTrainer(backbone)
+        x["mask_positions"] = np.array([[1, 2], [3, 4], [0, 1]], "int32")
+        export_to_huggingface(model, tmp_path / "hf")
+        hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+        with torch.no_grad():
+            ref = hf(**torch_x)
+        expected = np.take_along_axis(ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1)
+        y = harness.to_numpy(model(x))
+        assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
+        assert np.max(np.abs(y["nsp_logits"] - ref.seq_relationship_logits.numpy())) <= 1e-5
+        again = kbert.BertPreTrainer.from_preset(tmp_path / "hf")
+    else:
+        model = kbert.BertClassifier(backbone, num_classes=3)
+        export_to_huggingface(model, tmp_path / "hf")
+        hf = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+        with torch.no_grad():
+            ref = hf(**torch_x).logits.numpy()
+        assert np.max(np.abs(harness.to_numpy(model(x)) - ref)) <= 1e-5
+        again = kbert.BertClassifier.from_preset(tmp_path / "hf", num_classes=3)
+    for a, b in zip(model.weights, again.weights):
+        assert a.path == b.path
+        np.testing.assert_array_equal(harness.to_numpy(a), harness.to_numpy(b))
+
+
+def test_cli_convert_both_ways(tmp_path):
+    from kbert.cli import main
+
+    hf, directory = _hf_model(tmp_path, cls=transformers.BertForPreTraining)
+    assert main(["convert", str(directory), str(tmp_path / "kb")]) == 0
+    model = kbert.BertPreTrainer.from_preset(tmp_path / "kb")
+    assert main(["convert", str(tmp_path / "kb"), str(tmp_path / "back"), "--to", "huggingface"]) == 0
+    again = transformers.BertForPreTraining.from_pretrained(tmp_path / "back")
+    for name, value in hf.state_dict().items():
+        if name in again.state_dict() and "position_ids" not in name:
+            np.testing.assert_array_equal(value.numpy(), again.state_dict()[name].numpy())
+    assert main(["convert", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2

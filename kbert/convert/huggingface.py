@@ -32,6 +32,12 @@ HF_TO_KBERT_CONFIG = {
 
 
 def is_huggingface_dir(directory):
+    """A Hugging Face BERT directory, or an original TF checkpoint directory
+    (both are read through this module)."""
+    from kbert.convert import tf_checkpoint
+
+    if tf_checkpoint.is_tf_checkpoint_dir(directory):
+        return True
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path) or os.path.isfile(os.path.join(directory, "metadata.json")):
         return False
@@ -162,13 +168,25 @@ def backbone_weights_from_hf(state, num_layers):
     return w, used
 
 
+def _config_and_state(directory, allow_pickle=False, with_state=True):
+    """(HF-style config, HF-style state dict or None) for a Hugging Face
+    directory or an original TensorFlow checkpoint directory."""
+    from kbert.convert import tf_checkpoint
+
+    if tf_checkpoint.is_tf_checkpoint_dir(directory):
+        config = tf_checkpoint.read_config(directory)
+        return config, (_normalise_names(tf_checkpoint.read_state(directory)) if with_state else None)
+    config = read_json(directory, "config.json")
+    return config, (_normalise_names(load_state_dict(directory, allow_pickle=allow_pickle)) if with_state else None)
+
+
 def load_backbone(directory, load_weights=True, allow_pickle=False, **overrides):
     from kbert.models.backbone import BertBackbone
 
-    config = backbone_config_from_hf(read_json(directory, "config.json"), f"{directory}/config.json")
+    hf_config, state = _config_and_state(directory, allow_pickle, with_state=load_weights)
+    config = backbone_config_from_hf(hf_config, f"{directory}/config.json")
     backbone = BertBackbone(**{**config, **overrides})
     if load_weights:
-        state = _normalise_names(load_state_dict(directory, allow_pickle=allow_pickle))
         weights, _ = backbone_weights_from_hf(state, backbone.num_layers)
         missing_pooler = "pooler/dense/kernel" not in weights
         if missing_pooler:
@@ -218,7 +236,7 @@ def load_task_head(model, directory):
     the directory is not a Hugging Face one or has no matching head."""
     if not is_huggingface_dir(directory):
         return False
-    state = _normalise_names(load_state_dict(directory))
+    _, state = _config_and_state(directory)
     weights = _head_weights(model, state)
     if weights is None:
         return False

@@ -151,7 +151,10 @@ class BertTokenizer:
         if os.path.isfile(config_path):
             with open(config_path, encoding="utf-8") as f:
                 config = json.load(f)
-        kwargs = {"lowercase": config.get("lowercase", config.get("do_lower_case", True))}
+        # Original Google releases carry the casing only in their name (cased_L-12_H-768_A-12).
+        name = os.path.basename(os.path.normpath(directory)).lower()
+        default = not (name.startswith("cased") or "_cased" in name or "-cased" in name)
+        kwargs = {"lowercase": config.get("lowercase", config.get("do_lower_case", default))}
         for key in ("unk_token", "cls_token", "sep_token", "pad_token", "mask_token"):
             if isinstance(config.get(key), str):
                 kwargs[key] = config[key]

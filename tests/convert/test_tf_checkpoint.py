@@ -1,0 +1,82 @@
+"""Original Google BERT TF checkpoints, written here with the original
+variable names from a random transformers model."""
+
+import json
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import kbert
+from tests import harness
+
+
+def hf_name_to_tf(name):
+    tf_name = name.replace(".", "/")
+    for i in range(10):
+        tf_name = tf_name.replace(f"layer/{i}/", f"layer_{i}/")
+    transpose = False
+    if tf_name.endswith("LayerNorm/weight"):
+        tf_name = tf_name[: -len("weight")] + "gamma"
+    elif tf_name.endswith("LayerNorm/bias"):
+        tf_name = tf_name[: -len("bias")] + "beta"
+    elif tf_name.startswith("bert/embeddings/") and tf_name.endswith("_embeddings/weight"):
+        tf_name = tf_name[: -len("/weight")]
+    elif tf_name == "cls/predictions/bias":
+        tf_name = "cls/predictions/output_bias"
+    elif tf_name == "cls/seq_relationship/weight":
+        tf_name = "cls/seq_relationship/output_weights"
+    elif tf_name == "cls/seq_relationship/bias":
+        tf_name = "cls/seq_relationship/output_bias"
+    elif tf_name.endswith("/weight"):
+        tf_name, transpose = tf_name[: -len("weight")] + "kernel", True
+    return tf_name, transpose
+
+
+@pytest.fixture
+def original_checkpoint(tmp_path):
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=37, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.BertForPreTraining(config).eval()
+    directory = tmp_path / "uncased_L-2_H-32_A-4"
+    directory.mkdir()
+    skip = ("position_ids", "cls.predictions.decoder")
+    with tf.Graph().as_default():
+        variables = []
+        for name, value in hf.state_dict().items():
+            if any(s in name for s in skip):
+                continue
+            tf_name, transpose = hf_name_to_tf(name)
+            array = value.numpy().T if transpose else value.numpy()
+            variables.append(tf.compat.v1.get_variable(tf_name, initializer=array))
+        variables.append(tf.compat.v1.get_variable("global_step", initializer=np.int64(7)))
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            saver.save(session, str(directory / "bert_model.ckpt"))
+    (directory / "bert_config.json").write_text(json.dumps({
+        "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 37, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 64, "type_vocab_size": 2,
+        "initializer_range": 0.02}))
+    (directory / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)]))
+    return hf, directory
+
+
+def test_original_checkpoint_with_heads_matches(original_checkpoint):
+    hf, directory = original_checkpoint
+    model = kbert.BertPreTrainer.from_preset(directory)
+    assert model.preprocessor is not None and model.preprocessor.tokenizer.lowercase
+    x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
+    x["mask_positions"] = np.array([[1, 2], [3, 4], [0, 5]], "int32")
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
+                 attention_mask=torch.tensor(x["padding_mask"]).long())
+    y = harness.to_numpy(model(x))
+    expected = np.take_along_axis(ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1)
+    assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
+    assert np.max(np.abs(y["nsp_logits"] - ref.seq_relationship_logits.numpy())) <= 1e-5

@@ -24,7 +24,8 @@ CONFIGS = {
 }
 # kbert-<backend>-drop<attention dropout>[-nodrop: no hidden dropout either,
 # an upper bound that shows what dropout costs][-cublas: XLA without Triton
-# GEMMs][-jit: torch.compile the torch backend's step]; hf-eager / hf-compile.
+# GEMMs][-jit: torch.compile the torch backend's step][-dp: keras.distribution.DataParallel
+# over all GPUs, per-GPU batch unchanged]; hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
 
@@ -94,6 +95,10 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
     dropout = float(options[0][len("drop"):])
     if keras.backend.backend() == "torch":
         spe = 1  # Keras' torch trainer runs one step per call
+    if "dp" in options:  # data parallel over every local GPU, same per-GPU batch
+        devices = keras.distribution.list_devices("gpu")
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        b *= len(devices)
     keras.config.set_dtype_policy("mixed_bfloat16")
     backbone = kbert.BertBackbone.from_architecture(
         arch, max_sequence_length=512, attention_dropout=dropout, dtype="mixed_bfloat16",

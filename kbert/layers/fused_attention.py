@@ -6,6 +6,7 @@
   tensor is what made keras-hub's cuDNN call fail). That needs right padding
   (1s then 0s), which every kbert pipeline produces; a batch whose mask is
   not of that form is sent, inside the same compiled step, to the XLA path.
+  Under a `keras.distribution` (data parallel) the XLA path is used.
 - everything else: `keras.ops.dot_product_attention` with a boolean mask
   (PyTorch SDPA on torch; XLA or the TensorFlow kernel elsewhere).
 `fused_attention_path()` says which one is used.
@@ -16,7 +17,9 @@ from keras import ops
 
 
 def _jax_gpu():
-    if keras.backend.backend() != "jax":
+    if keras.backend.backend() != "jax" or keras.distribution.distribution() is not None:
+        # Under a Keras distribution, XLA may shard the sliced Q/K/V apart,
+        # which jax's cuDNN partitioner rejects; the XLA path shards freely.
         return False
     import jax
 

@@ -183,8 +183,9 @@ def _config_and_state(directory, allow_pickle=False, with_state=True):
 def load_backbone(directory, load_weights=True, allow_pickle=False, **overrides):
     from kbert.models.backbone import BertBackbone
 
-    hf_config, state = _config_and_state(directory, allow_pickle, with_state=load_weights)
-    config = backbone_config_from_hf(hf_config, f"{directory}/config.json")
+    hf_config, _ = _config_and_state(directory, with_state=False)
+    config = backbone_config_from_hf(hf_config, f"{directory}/config.json")  # refuses other models first
+    state = _config_and_state(directory, allow_pickle)[1] if load_weights else None
     backbone = BertBackbone(**{**config, **overrides})
     if load_weights:
         weights, _ = backbone_weights_from_hf(state, backbone.num_layers)

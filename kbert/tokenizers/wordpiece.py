@@ -173,7 +173,9 @@ class BertTokenizer:
             if not text.isprintable():
                 text = p.ascii_whitespace.sub(" ", p.ascii_controls.sub("", text))
             return text.lower() if self.lowercase else text
-        if not text.isprintable():  # only then can C* or Z* characters be present
+        # Only non-printable text can hold C*/Z* characters; U+FFFD is printable
+        # but deleted by the reference too.
+        if not text.isprintable() or "\ufffd" in text:
             text = p.whitespace.sub(" ", p.delete.sub("", text))
         text = p.cjk.sub(r" \g<0> ", text)
         if self.lowercase:

@@ -204,3 +204,11 @@ def test_trained_vocabulary(cased):
 def test_training_on_empty_input_fails_clearly():
     with pytest.raises(ValueError, match="no text"):
         train_wordpiece_vocabulary(["", "  "], 100)
+
+
+@pytest.mark.parametrize("text", ["\ufffd", "a\ufffdb", "é\ufffd", "\x00", "x\u200by", "\u2028", "Σ\ufffdΣ"])
+def test_deleted_characters_in_printable_text(uncased, text):
+    """Regression: U+FFFD is printable, yet the reference deletes it."""
+    reference = ReferenceTokenizer(uncased.vocabulary, True)
+    assert uncased.tokenize(text) == reference(text)
+    assert uncased.tf_tokenize([text]).to_list()[0] == reference(text)

@@ -12,6 +12,8 @@ _LAZY = {
     "feature_spec": "kbert.data.tfrecords",
     "create_pretraining_data": "kbert.data.create",
     "check_directory": "kbert.data.check",
+    "export_numpy": "kbert.data.numpy_io",
+    "NumpyPretrainingData": "kbert.data.numpy_io",
 }
 
 

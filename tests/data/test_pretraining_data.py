@@ -194,3 +194,21 @@ def test_cli_creates_and_checks(tokenizer, tmp_path, capsys):
     assert main(["check-pretraining-data", str(tmp_path / "out")]) == 0
     assert '"segment_errors": 0' in capsys.readouterr().out
     assert main(["create-pretraining-data", "--input", str(tmp_path / "nope.txt"), "--vocab", str(tmp_path / "tok" / "vocab.txt"), "--output", str(tmp_path / "o2")]) == 2
+
+
+def test_numpy_export_trains_without_tf_data(created, tmp_path):
+    import kbert
+    from kbert.data import NumpyPretrainingData, export_numpy
+    from kbert.data.check import load_arrays
+
+    export_numpy(str(created), str(tmp_path / "npy"))
+    data = NumpyPretrainingData(str(tmp_path / "npy"), batch_size=8, shuffle=False)
+    x, y = data[0]
+    original = load_arrays(str(created), 64, 10)
+    np.testing.assert_array_equal(x["token_ids"], original["input_ids"][:8])
+    np.testing.assert_array_equal(y["next_sentence_labels"], original["next_sentence_labels"][:8, 0])
+    model = kbert.BertPreTrainer(kbert.BertBackbone(vocabulary_size=2000, num_layers=1, num_heads=2, hidden_dim=16,
+                                                    intermediate_dim=32, max_sequence_length=64))
+    model.compile()
+    history = model.fit(data, steps_per_epoch=2, epochs=1, verbose=0).history
+    assert np.isfinite(history["loss"][0])

@@ -113,6 +113,15 @@ def documents_from_text(text, format="lines", min_document_sentences=20, splitte
     return kept
 
 
+def _add_document(sentences, documents, report):
+    if sentences:
+        documents.append(sentences)
+        report.documents += 1
+        report.sentences += len(sentences)
+    else:
+        report.skipped_documents += 1
+
+
 def read_documents(inputs, format="lines", min_document_sentences=20, report=None):
     """Files, or an iterable of documents -> list of documents of sentences.
 
@@ -137,24 +146,12 @@ def read_documents(inputs, format="lines", min_document_sentences=20, report=Non
             report.files += 1
             documents += documents_from_text(_read_text(os.fspath(item)), format, min_document_sentences, report=report)
         elif isinstance(item, str):
-            if os.sep in item and not os.path.exists(item) and len(item) < 4096 and "\n" not in item:
+            if os.sep in item and not any(c.isspace() for c in item):  # a path, not prose
                 raise ValueError(f"corpus file {item!r} does not exist")
             splitter = splitter or SentenceSplitter()
-            sentences = [s for p in _paragraphs(item) for s in splitter(p)]
-            if sentences:
-                documents.append(sentences)
-                report.documents += 1
-                report.sentences += len(sentences)
-            else:
-                report.skipped_documents += 1
+            _add_document([s for p in _paragraphs(item) for s in splitter(p)], documents, report)
         elif isinstance(item, (list, tuple)):
-            sentences = [s.strip() for s in item if isinstance(s, str) and s.strip()]
-            if sentences:
-                documents.append(sentences)
-                report.documents += 1
-                report.sentences += len(sentences)
-            else:
-                report.skipped_documents += 1
+            _add_document([s.strip() for s in item if isinstance(s, str) and s.strip()], documents, report)
         else:
             raise ValueError(f"expected a file path, a document string or a list of sentences, got {type(item).__name__}")
     if not documents:

@@ -212,3 +212,10 @@ def test_numpy_export_trains_without_tf_data(created, tmp_path):
     model.compile()
     history = model.fit(data, steps_per_epoch=2, epochs=1, verbose=0).history
     assert np.isfinite(history["loss"][0])
+
+
+def test_documents_from_an_iterable():
+    report = CorpusReport()
+    docs = read_documents(["Cats and/or dogs live here. They sleep a lot.", ["One sentence.", "  ", "Two."], "", []], report=report)
+    assert docs == [["Cats and/or dogs live here.", "They sleep a lot."], ["One sentence.", "Two."]]
+    assert report.documents == 2 and report.skipped_documents == 2 and report.sentences == 4

@@ -9,6 +9,7 @@ from kbert.models import (
     BertPreprocessor,
     BertPreTrainer,
     BertTextEmbedder,
+    BertTokenClassifier,
 )
 from kbert.tokenizers import BertTokenizer
 
@@ -19,6 +20,7 @@ __all__ = [
     "BertPreprocessor",
     "BertPreTrainer",
     "BertTextEmbedder",
+    "BertTokenClassifier",
     "BertTokenizer",
     "layers",
     "presets",

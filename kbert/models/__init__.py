@@ -4,6 +4,7 @@ from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.pretrainer import BertMaskedLM, BertPreTrainer
 from kbert.models.task import Task
 from kbert.models.text_embedder import BertTextEmbedder
+from kbert.models.token_classifier import BertTokenClassifier
 
 __all__ = [
     "BertBackbone",
@@ -12,5 +13,6 @@ __all__ = [
     "BertPreTrainer",
     "BertPreprocessor",
     "BertTextEmbedder",
+    "BertTokenClassifier",
     "Task",
 ]

@@ -155,3 +155,28 @@ def test_real_minilm_embeddings_match_sentence_transformers_recipe():
     mask = batch["attention_mask"][..., None].float()
     reference = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
     assert np.max(np.abs(ours - reference)) <= 1e-5
+
+
+def test_token_classifier_on_words(tmp_path):
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "john", "lives", "in", "paris", "mary", "london", "##s", "visit"]
+    pre = kbert.BertPreprocessor(kbert.BertTokenizer(vocab), sequence_length=10)
+    model = kbert.BertTokenClassifier(kbert.BertBackbone(**{**TINY, "vocabulary_size": len(vocab)}), num_classes=3,
+                                      preprocessor=pre)
+    sentences = [["John", "lives", "in", "Paris"], ["Mary", "visits", "London"]] * 4
+    labels = [[1, 0, 0, 2], [1, 0, 2]] * 4
+    x, y, weights, firsts = model.encode_words(sentences[:2], labels[:2])
+    assert firsts[1] == [1, 2, 4]  # "visits" -> visit ##s: only its first piece is labelled
+    assert weights[1].tolist() == [0, 1, 1, 0, 1, 0, 0, 0, 0, 0]
+    model.compile(learning_rate=1e-2)
+    history = model.fit(sentences, labels, batch_size=4, epochs=8, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    predicted = model.predict_words(sentences[:2])
+    assert [len(p) for p in predicted] == [4, 3]
+    assert predicted == labels[:2]
+    with pytest.raises(ValueError, match="label 3 is outside"):
+        model.fit([["John"]], [[3]], verbose=0)
+    with pytest.raises(ValueError, match="2 words but 1 labels"):
+        model.fit([["John", "lives"]], [[1]], verbose=0)
+    long = [["john"] * 20]
+    assert model.predict_words(long)[0][-1] == -1  # truncated words get -1
+    harness.check_keras_round_trip(model, x, tmp_path)

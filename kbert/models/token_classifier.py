@@ -1,0 +1,127 @@
+"""BertTokenClassifier: a label for every word (NER, POS), from its first WordPiece.
+
+Shapes: B batch, T tokens, C classes.
+"""
+
+import keras
+import numpy as np
+
+from kbert.models.task import Task
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BertTokenClassifier(Task):
+    """Per-token classification, trained on word-level labels.
+
+    `fit` / `evaluate` take pre-split sentences (lists of words) and one
+    label id per word; each label goes to the word's first WordPiece and the
+    other pieces are left out of the loss (sample weight 0), as in the paper's
+    CoNLL-2003 set-up. `predict_words` maps predictions back to words.
+
+    Args:
+        backbone: `kbert.BertBackbone`.
+        num_classes: int. C.
+        preprocessor: `kbert.BertPreprocessor` (its tokenizer and sequence_length).
+        dropout: float. dropout before the classifier.
+
+    Example:
+    >>> model = BertTokenClassifier(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_classes=5)
+    """
+
+    def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, **kwargs):
+        if not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(f"num_classes must be an int ≥ 2, got {num_classes!r}")
+        policy = backbone.get_layer("embeddings").dtype_policy
+        inputs = {name: backbone.input[name] for name in ("token_ids", "segment_ids", "padding_mask")}
+        sequence = backbone(inputs)["sequence_output"]
+        x = keras.layers.Dropout(dropout, dtype=policy, name="classifier_dropout")(sequence)
+        logits = keras.layers.Dense(
+            num_classes,
+            kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.initializer_range),
+            dtype=policy,
+            name="logits",
+        )(x)
+        logits = keras.layers.Activation("linear", dtype="float32", name="float32_logits")(logits)
+        super().__init__(inputs=inputs, outputs=logits, **kwargs)
+        self._set_backbone(backbone, preprocessor)
+        self.num_classes = num_classes
+        self.dropout = dropout
+
+    def task_config(self):
+        return {"num_classes": self.num_classes, "dropout": self.dropout}
+
+    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
+                loss=None, metrics=None, weighted_metrics=None, **kwargs):
+        # Metrics are weighted: only first pieces of words count.
+        loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if weighted_metrics is None:
+            weighted_metrics = metrics or [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+        super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, loss=loss,
+                        weighted_metrics=weighted_metrics, **kwargs)
+
+    def encode_words(self, sentences, labels=None):
+        """Word lists (and word labels) -> (x, y, sample_weight, first_piece_positions)."""
+        if self.preprocessor is None:
+            raise ValueError("BertTokenClassifier needs a preprocessor to take words")
+        tokenizer = self.preprocessor.tokenizer
+        length = self.preprocessor.sequence_length
+        batch = len(sentences)
+        token_ids = np.full((batch, length), tokenizer.pad_id, "int32")
+        mask = np.zeros((batch, length), "int32")
+        y = np.zeros((batch, length), "int32")
+        weights = np.zeros((batch, length), "float32")
+        firsts = []
+        for row, words in enumerate(sentences):
+            if isinstance(words, str) or not all(isinstance(w, str) for w in words):
+                raise ValueError(f"sentence {row} must be a list of word strings, got {words!r}"[:200])
+            if labels is not None and len(labels[row]) != len(words):
+                raise ValueError(f"sentence {row} has {len(words)} words but {len(labels[row])} labels")
+            ids, positions = [tokenizer.cls_id], []
+            for word in words:
+                pieces = tokenizer.tokenize(word) or [tokenizer.unk_id]  # a word of deleted characters
+                if len(ids) + len(pieces) > length - 1:
+                    break  # truncated: later words get no prediction
+                positions.append(len(ids))
+                ids.extend(pieces)
+            ids.append(tokenizer.sep_id)
+            token_ids[row, : len(ids)] = ids
+            mask[row, : len(ids)] = 1
+            if labels is not None:
+                for position, label in zip(positions, labels[row]):
+                    y[row, position] = label
+                    weights[row, position] = 1.0
+            firsts.append(positions)
+        if labels is not None:
+            flat = np.concatenate([np.asarray(l, "int64").reshape(-1) for l in labels]) if batch else np.zeros(0)
+            if flat.size and (flat.min() < 0 or flat.max() >= self.num_classes):
+                bad = flat.max() if flat.max() >= self.num_classes else flat.min()
+                raise ValueError(f"label {bad} is outside [0, {self.num_classes})")
+        x = {"token_ids": token_ids, "segment_ids": np.zeros_like(token_ids), "padding_mask": mask}
+        return x, y, weights, firsts
+
+    @staticmethod
+    def _is_word_lists(x):
+        return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(s, (list, tuple)) for s in x)
+
+    def fit(self, x=None, y=None, *args, **kwargs):
+        if self._is_word_lists(x):
+            x, y, weights, _ = self.encode_words(x, y)
+            kwargs["sample_weight"] = weights
+        return super().fit(x, y, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, *args, **kwargs):
+        if self._is_word_lists(x):
+            x, y, weights, _ = self.encode_words(x, y)
+            kwargs["sample_weight"] = weights
+        return super().evaluate(x, y, *args, **kwargs)
+
+    def predict_words(self, sentences, **kwargs):
+        """Pre-split sentences -> one predicted label id per word (truncated
+        words get -1)."""
+        x, _, _, firsts = self.encode_words(sentences)
+        logits = self.predict(x, verbose=0, **kwargs)
+        out = []
+        for row, words in enumerate(sentences):
+            labels = [int(np.argmax(logits[row, p])) for p in firsts[row]]
+            out.append(labels + [-1] * (len(words) - len(labels)))
+        return out

@@ -225,7 +225,7 @@ def _head_weights(model, state):
             w["nsp_head/dense/kernel"] = state["cls.seq_relationship.weight"].T
             w["nsp_head/dense/bias"] = state["cls.seq_relationship.bias"]
         return w
-    if name == "BertClassifier":
+    if name in ("BertClassifier", "BertTokenClassifier"):
         if "classifier.weight" not in state:
             return None
         return {"logits/kernel": state["classifier.weight"].T, "logits/bias": state["classifier.bias"]}
@@ -257,6 +257,7 @@ HF_ARCHITECTURES = {
     "BertPreTrainer": "BertForPreTraining",
     "BertMaskedLM": "BertForMaskedLM",
     "BertClassifier": "BertForSequenceClassification",
+    "BertTokenClassifier": "BertForTokenClassification",
     "BertTextEmbedder": "BertModel",
 }
 
@@ -341,11 +342,11 @@ def export_to_huggingface(model, directory):
             state["cls.seq_relationship.bias"] = heads["nsp_head/dense/bias"]
         else:
             state = {k: v for k, v in state.items() if not k.startswith("bert.pooler.")}
-    elif name == "BertClassifier":
+    elif name in ("BertClassifier", "BertTokenClassifier"):
         state["classifier.weight"] = heads["logits/kernel"].T
         state["classifier.bias"] = heads["logits/bias"]
         config["num_labels"] = model.num_classes
-        if model.num_classes == 1:
+        if name == "BertClassifier" and model.num_classes == 1:
             config["problem_type"] = "regression"
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, os.path.join(directory, "model.safetensors"),
               metadata={"format": "pt"})

@@ -180,3 +180,19 @@ def test_token_classifier_on_words(tmp_path):
     long = [["john"] * 20]
     assert model.predict_words(long)[0][-1] == -1  # truncated words get -1
     harness.check_keras_round_trip(model, x, tmp_path)
+
+
+def test_token_classification_head_matches_transformers_both_ways(tmp_path):
+    from kbert.convert.huggingface import export_to_huggingface
+
+    hf, directory = _hf_dir(tmp_path, transformers.BertForTokenClassification, num_labels=5)
+    model = kbert.BertTokenClassifier.from_preset(directory, num_classes=5)
+    x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
+    with torch.no_grad():
+        ref = hf(**_torch_inputs(x)).logits.numpy()
+    mask = x["padding_mask"][..., None]
+    assert np.max(np.abs((harness.to_numpy(model(x)) - ref) * mask)) <= 1e-5
+    export_to_huggingface(model, tmp_path / "back")
+    again = transformers.BertForTokenClassification.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(again(**_torch_inputs(x)).logits.numpy(), ref, atol=1e-6)

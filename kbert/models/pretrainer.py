@@ -44,9 +44,9 @@ class _PreTrainingTask(Task):
 
     def __init__(self, backbone, preprocessor=None, **kwargs):
         policy = backbone.get_layer("embeddings").dtype_policy
-        inputs = {name: backbone.input[name] for name in ("token_ids", "segment_ids", "padding_mask")}
+        inputs = self.backbone_inputs(backbone)
         inputs["mask_positions"] = keras.Input(shape=(None,), dtype="int32", name="mask_positions")
-        features = backbone({k: inputs[k] for k in ("token_ids", "segment_ids", "padding_mask")})
+        features = backbone(inputs)  # mask_positions is ignored by the backbone
         mlm_head = MaskedLMHead(
             backbone.vocabulary_size,
             backbone.hidden_dim,

@@ -34,6 +34,25 @@ class Task(PresetMixin, keras.Model):
     def task_config(self):
         return {}
 
+    @staticmethod
+    def backbone_inputs(backbone):
+        """The backbone's symbolic inputs, to build a task graph on."""
+        return {name: backbone.input[name] for name in ("token_ids", "segment_ids", "padding_mask")}
+
+    @staticmethod
+    def logits_head(features, backbone, num_classes, dropout):
+        """dropout -> Dense(num_classes) -> float32 logits (fixed layer names:
+        converters and saved weights use them)."""
+        policy = backbone.get_layer("embeddings").dtype_policy
+        x = keras.layers.Dropout(dropout, dtype=policy, name="classifier_dropout")(features)
+        logits = keras.layers.Dense(
+            num_classes,
+            kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.initializer_range),
+            dtype=policy,
+            name="logits",
+        )(x)
+        return keras.layers.Activation("linear", dtype="float32", name="float32_logits")(logits)
+
     def get_config(self):
         config = {
             "name": self.name,

@@ -62,7 +62,7 @@ class BertTextEmbedder(Task):
     def __init__(self, backbone, pooling="mean", normalize=True, preprocessor=None, **kwargs):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        inputs = {name: backbone.input[name] for name in ("token_ids", "segment_ids", "padding_mask")}
+        inputs = self.backbone_inputs(backbone)
         features = backbone(inputs)
         if pooling == "pooled":
             embedding = TokenPooling("cls", normalize, name="pooling")(

@@ -31,17 +31,8 @@ class BertTokenClassifier(Task):
     def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, **kwargs):
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an int ≥ 2, got {num_classes!r}")
-        policy = backbone.get_layer("embeddings").dtype_policy
-        inputs = {name: backbone.input[name] for name in ("token_ids", "segment_ids", "padding_mask")}
-        sequence = backbone(inputs)["sequence_output"]
-        x = keras.layers.Dropout(dropout, dtype=policy, name="classifier_dropout")(sequence)
-        logits = keras.layers.Dense(
-            num_classes,
-            kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.initializer_range),
-            dtype=policy,
-            name="logits",
-        )(x)
-        logits = keras.layers.Activation("linear", dtype="float32", name="float32_logits")(logits)
+        inputs = self.backbone_inputs(backbone)
+        logits = self.logits_head(backbone(inputs)["sequence_output"], backbone, num_classes, dropout)
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
         self._set_backbone(backbone, preprocessor)
         self.num_classes = num_classes

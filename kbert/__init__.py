@@ -1,13 +1,15 @@
 """kbert: BERT for Keras 3 on JAX, PyTorch and TensorFlow."""
 
 from kbert.version import __version__
-from kbert import layers, presets
+from kbert import layers, metrics, presets
 from kbert.models import (
     BertBackbone,
     BertClassifier,
     BertMaskedLM,
+    BertMultipleChoice,
     BertPreprocessor,
     BertPreTrainer,
+    BertQuestionAnswerer,
     BertTextEmbedder,
     BertTokenClassifier,
 )
@@ -17,12 +19,15 @@ __all__ = [
     "BertBackbone",
     "BertClassifier",
     "BertMaskedLM",
+    "BertMultipleChoice",
     "BertPreprocessor",
     "BertPreTrainer",
+    "BertQuestionAnswerer",
     "BertTextEmbedder",
     "BertTokenClassifier",
     "BertTokenizer",
     "layers",
+    "metrics",
     "presets",
     "__version__",
 ]

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from kbert.layers.activations import canonical_activation
-from kbert.presets.io import PresetError, preset_file, read_json
+from kbert.presets.io import PresetError, new_adapters, preset_file, read_json
 from kbert.presets.weights import assign_weights
 
 HF_TO_KBERT_CONFIG = {
@@ -200,7 +200,7 @@ def load_backbone(directory, load_weights=True, allow_pickle=False, **overrides)
             backbone,
             weights,
             source=f"Hugging Face weights in {directory}",
-            allow_missing=("pooler/",) if missing_pooler else (),
+            allow_missing=(("pooler/",) if missing_pooler else ()) + new_adapters({}, overrides),
         )
     return backbone
 
@@ -225,10 +225,14 @@ def _head_weights(model, state):
             w["nsp_head/dense/kernel"] = state["cls.seq_relationship.weight"].T
             w["nsp_head/dense/bias"] = state["cls.seq_relationship.bias"]
         return w
-    if name in ("BertClassifier", "BertTokenClassifier"):
+    if name in ("BertClassifier", "BertTokenClassifier", "BertMultipleChoice"):
         if "classifier.weight" not in state:
             return None
         return {"logits/kernel": state["classifier.weight"].T, "logits/bias": state["classifier.bias"]}
+    if name == "BertQuestionAnswerer":
+        if "qa_outputs.weight" not in state:
+            return None
+        return {"logits/kernel": state["qa_outputs.weight"].T, "logits/bias": state["qa_outputs.bias"]}
     return None
 
 
@@ -258,6 +262,8 @@ HF_ARCHITECTURES = {
     "BertMaskedLM": "BertForMaskedLM",
     "BertClassifier": "BertForSequenceClassification",
     "BertTokenClassifier": "BertForTokenClassification",
+    "BertQuestionAnswerer": "BertForQuestionAnswering",
+    "BertMultipleChoice": "BertForMultipleChoice",
     "BertTextEmbedder": "BertModel",
 }
 
@@ -348,6 +354,13 @@ def export_to_huggingface(model, directory):
         config["num_labels"] = model.num_classes
         if name == "BertClassifier" and model.num_classes == 1:
             config["problem_type"] = "regression"
+    elif name == "BertMultipleChoice":
+        state["classifier.weight"] = heads["logits/kernel"].T
+        state["classifier.bias"] = heads["logits/bias"]
+    elif name == "BertQuestionAnswerer":
+        state["qa_outputs.weight"] = heads["logits/kernel"].T
+        state["qa_outputs.bias"] = heads["logits/bias"]
+        state = {k: v for k, v in state.items() if not k.startswith("bert.pooler.")}
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, os.path.join(directory, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:

@@ -4,6 +4,7 @@ The tf.data parts import TensorFlow when first used, not on `import kbert`.
 """
 
 from kbert.data.corpus import CorpusReport, read_documents
+from kbert.data.finetuning import read_conll, read_glue, read_squad
 from kbert.data.pretraining import InstanceMaker, MaskingConfig, tokenize_documents
 
 _LAZY = {
@@ -29,7 +30,10 @@ __all__ = [
     "CorpusReport",
     "InstanceMaker",
     "MaskingConfig",
+    "read_conll",
     "read_documents",
+    "read_glue",
+    "read_squad",
     "tokenize_documents",
     *_LAZY,
 ]

@@ -2,6 +2,7 @@
 
 from kbert.layers import fused_attention
 from kbert.layers.activations import canonical_activation, get_activation
+from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention
 from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding
 from kbert.layers.encoder import TransformerEncoderBlock
@@ -9,6 +10,7 @@ from kbert.layers.heads import MaskedLMHead, NextSentenceHead, Pooler
 
 __all__ = [
     "BertEmbeddings",
+    "BottleneckAdapter",
     "MaskedLMHead",
     "MultiHeadSelfAttention",
     "NextSentenceHead",
@@ -17,4 +19,5 @@ __all__ = [
     "TransformerEncoderBlock",
     "canonical_activation",
     "get_activation",
+    "train_only_adapters",
 ]

@@ -6,6 +6,7 @@ Shapes: B batch, T tokens, H hidden, I intermediate (feed-forward) width.
 import keras
 
 from kbert.layers.activations import canonical_activation, get_activation
+from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
 
 
@@ -23,6 +24,8 @@ class TransformerEncoderBlock(keras.layers.Layer):
             "gelu_tanh" the tanh approximation; see `kbert.layers.activations`).
         layer_norm_epsilon: float. LayerNorm epsilon.
         initializer_range: float. stddev of the truncated-normal init.
+        adapter_size: int or None. width of the bottleneck adapters inserted
+            after the attention and feed-forward outputs (Houlsby et al.).
 
     Example:
     >>> block = TransformerEncoderBlock(2, 8, 16)
@@ -40,6 +43,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
         activation="gelu",
         layer_norm_epsilon=1e-12,
         initializer_range=0.02,
+        adapter_size=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -51,6 +55,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
         self.activation = canonical_activation(activation)
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
+        self.adapter_size = adapter_size
         init = keras.initializers.TruncatedNormal(stddev=initializer_range)
         policy = self.dtype_policy
         self.self_attention = MultiHeadSelfAttention(
@@ -79,6 +84,14 @@ class TransformerEncoderBlock(keras.layers.Layer):
         self.output_layer_norm = keras.layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=policy, name="output_layer_norm"
         )
+        self.attention_adapter = self.output_adapter = None
+        if adapter_size:
+            self.attention_adapter = BottleneckAdapter(
+                adapter_size, self.activation, initializer_range, dtype=policy, name="attention_adapter"
+            )
+            self.output_adapter = BottleneckAdapter(
+                adapter_size, self.activation, initializer_range, dtype=policy, name="output_adapter"
+            )
 
     def build(self, inputs_shape, padding_mask_shape=None):
         self.self_attention.build(inputs_shape)
@@ -86,14 +99,21 @@ class TransformerEncoderBlock(keras.layers.Layer):
         self.intermediate_dense.build(inputs_shape)
         self.output_dense.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
         self.output_layer_norm.build(inputs_shape)
+        if self.adapter_size:
+            self.attention_adapter.build(inputs_shape)
+            self.output_adapter.build(inputs_shape)
         self.built = True
 
     def call(self, inputs, padding_mask, training=None):
         attended = self.self_attention(inputs, padding_mask, training=training)
         attended = self.attention_dropout_layer(attended, training=training)
+        if self.attention_adapter is not None:
+            attended = self.attention_adapter(attended)
         x = self.attention_layer_norm(inputs + attended)
         y = self.output_dense(self.intermediate_dense(x))
         y = self.output_dropout(y, training=training)
+        if self.output_adapter is not None:
+            y = self.output_adapter(y)
         return self.output_layer_norm(x + y)
 
     def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
@@ -110,5 +130,6 @@ class TransformerEncoderBlock(keras.layers.Layer):
             activation=self.activation,
             layer_norm_epsilon=self.layer_norm_epsilon,
             initializer_range=self.initializer_range,
+            adapter_size=self.adapter_size,
         )
         return config

@@ -1,7 +1,9 @@
 from kbert.models.backbone import BertBackbone
 from kbert.models.classifier import BertClassifier
+from kbert.models.multiple_choice import BertMultipleChoice
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.pretrainer import BertMaskedLM, BertPreTrainer
+from kbert.models.question_answerer import BertQuestionAnswerer
 from kbert.models.task import Task
 from kbert.models.text_embedder import BertTextEmbedder
 from kbert.models.token_classifier import BertTokenClassifier
@@ -10,8 +12,10 @@ __all__ = [
     "BertBackbone",
     "BertClassifier",
     "BertMaskedLM",
+    "BertMultipleChoice",
     "BertPreTrainer",
     "BertPreprocessor",
+    "BertQuestionAnswerer",
     "BertTextEmbedder",
     "BertTokenClassifier",
     "Task",

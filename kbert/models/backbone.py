@@ -39,6 +39,8 @@ class BertBackbone(PresetMixin, keras.Model):
         layer_norm_epsilon: float. LayerNorm epsilon.
         initializer_range: float. stddev of the truncated-normal init.
         output_hidden_states: bool. also output every layer's hidden states.
+        adapter_size: int or None. adds bottleneck adapters of this width to
+            every block (Houlsby et al., 2019; identity at initialisation).
         dtype: str or `keras.DTypePolicy`. e.g. "float32", "mixed_bfloat16".
 
     Example:
@@ -66,6 +68,7 @@ class BertBackbone(PresetMixin, keras.Model):
         layer_norm_epsilon=1e-12,
         initializer_range=0.02,
         output_hidden_states=False,
+        adapter_size=None,
         dtype=None,
         **kwargs,
     ):
@@ -111,6 +114,7 @@ class BertBackbone(PresetMixin, keras.Model):
                 activation=activation,
                 layer_norm_epsilon=layer_norm_epsilon,
                 initializer_range=initializer_range,
+                adapter_size=adapter_size,
                 dtype=dtype,
                 name=f"transformer_layer_{i}",
             )
@@ -147,6 +151,7 @@ class BertBackbone(PresetMixin, keras.Model):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.output_hidden_states = output_hidden_states
+        self.adapter_size = adapter_size
 
     @property
     def token_embedding(self):
@@ -204,6 +209,7 @@ class BertBackbone(PresetMixin, keras.Model):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
             "output_hidden_states": self.output_hidden_states,
+            **({"adapter_size": self.adapter_size} if self.adapter_size else {}),
         }
 
     @classmethod

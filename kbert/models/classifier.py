@@ -23,7 +23,9 @@ class BertClassifier(Task):
         num_classes: int. C; 1 for regression.
         preprocessor: `kbert.BertPreprocessor` or None.
         dropout: float. dropout before the classifier (0.1 in the paper).
-        freeze_backbone: bool. train the head only (feature-based use).
+        freeze_backbone: False, True (train the head only: feature-based
+            use) or "adapters" (train adapters, LayerNorms and the head; the
+            backbone needs `adapter_size`).
 
     Example:
     >>> model = BertClassifier(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_classes=3)
@@ -39,8 +41,7 @@ class BertClassifier(Task):
         self._set_backbone(backbone, preprocessor)
         self.num_classes = num_classes
         self.dropout = dropout
-        self.freeze_backbone = freeze_backbone
-        backbone.trainable = not freeze_backbone
+        self.set_backbone_training(freeze_backbone)
 
     def task_config(self):
         return {"num_classes": self.num_classes, "dropout": self.dropout, "freeze_backbone": self.freeze_backbone}

@@ -11,6 +11,8 @@ logger = logging.getLogger("kbert")
 
 TASK_CONFIG_FILE = "task.json"
 TASK_WEIGHTS_FILE = "task.safetensors"
+# from_preset keyword arguments that go to the backbone
+BACKBONE_OVERRIDES = ("dtype", "dropout", "attention_dropout", "output_hidden_states", "adapter_size")
 
 
 class Task(PresetMixin, keras.Model):
@@ -33,6 +35,20 @@ class Task(PresetMixin, keras.Model):
 
     def task_config(self):
         return {}
+
+    def set_backbone_training(self, freeze_backbone):
+        """False: fine-tune everything; True: train the head only (frozen
+        features); "adapters": train adapters, LayerNorms and the head
+        (the backbone must have `adapter_size`)."""
+        from kbert.layers.adapters import train_only_adapters
+
+        if freeze_backbone not in (False, True, "adapters"):
+            raise ValueError(f"freeze_backbone must be False, True or 'adapters', got {freeze_backbone!r}")
+        if freeze_backbone == "adapters":
+            train_only_adapters(self.backbone)
+        else:
+            self.backbone.trainable = not freeze_backbone
+        self.freeze_backbone = freeze_backbone
 
     @staticmethod
     def backbone_inputs(backbone):
@@ -102,7 +118,7 @@ class Task(PresetMixin, keras.Model):
         from kbert.presets.io import load_backbone, load_weights_file, read_json
         from kbert.presets.weights import assign_weights
 
-        backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in ("dtype", "dropout", "attention_dropout", "output_hidden_states")}
+        backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
         backbone = load_backbone(directory, load_weights=load_weights, **backbone_overrides)
         task_path = os.path.join(directory, TASK_CONFIG_FILE)
         task_config, head_weights = {}, None

@@ -23,12 +23,13 @@ class BertTokenClassifier(Task):
         num_classes: int. C.
         preprocessor: `kbert.BertPreprocessor` (its tokenizer and sequence_length).
         dropout: float. dropout before the classifier.
+        freeze_backbone: False, True or "adapters" (see `BertClassifier`).
 
     Example:
     >>> model = BertTokenClassifier(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_classes=5)
     """
 
-    def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, **kwargs):
+    def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs):
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an int ≥ 2, got {num_classes!r}")
         inputs = self.backbone_inputs(backbone)
@@ -37,14 +38,17 @@ class BertTokenClassifier(Task):
         self._set_backbone(backbone, preprocessor)
         self.num_classes = num_classes
         self.dropout = dropout
+        self.set_backbone_training(freeze_backbone)
 
     def task_config(self):
-        return {"num_classes": self.num_classes, "dropout": self.dropout}
+        return {"num_classes": self.num_classes, "dropout": self.dropout, "freeze_backbone": self.freeze_backbone}
 
     def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
                 loss=None, metrics=None, weighted_metrics=None, **kwargs):
-        # Metrics are weighted: only first pieces of words count.
-        loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        # Loss and metrics are weighted: only first pieces of words count, and
+        # the loss is their mean (as transformers' ignore_index=-100), not a
+        # mean over every token slot.
+        loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
         if weighted_metrics is None:
             weighted_metrics = metrics or [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
         super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, loss=loss,

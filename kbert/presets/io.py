@@ -198,8 +198,18 @@ def load_backbone(directory, load_weights=True, **overrides):
             backbone,
             load_weights_file(directory, WEIGHTS_FILE),
             source=f"weights in {directory}/{WEIGHTS_FILE}",
+            allow_missing=new_adapters(config["config"], overrides),
         )
     return backbone
+
+
+def new_adapters(saved_config, overrides):
+    """Adapter weights may be absent when adapters are added on load."""
+    from kbert.layers.adapters import ADAPTER_LAYER_NAMES
+
+    if overrides.get("adapter_size") and not saved_config.get("adapter_size"):
+        return tuple(f"{name}/" for name in ADAPTER_LAYER_NAMES)
+    return ()
 
 
 def load_model_from_preset(cls, preset, load_weights=True, **kwargs):

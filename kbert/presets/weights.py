@@ -18,14 +18,18 @@ def assign_weights(layer, weights, source="weights", allow_missing=(), paths=Non
     """Assigns `weights` ({path: array}) to `layer`'s variables.
 
     Every variable must be present with the same shape and every entry must be
-    used; paths starting with a prefix in `allow_missing` may be absent (they
-    keep their fresh initialisation). With `paths`, only those variables are
+    used; paths starting with a prefix in `allow_missing` may be absent (or
+    contain "/<prefix>", e.g. adapters inside blocks; they keep their fresh
+    initialisation). With `paths`, only those variables are
     concerned. Raises ValueError naming each offender.
     """
     variables = {v.path: v for v in layer.weights}
     if paths is not None:
         variables = {p: variables[p] for p in paths}
-    missing = [p for p in variables if p not in weights and not any(p.startswith(a) for a in allow_missing)]
+    missing = [
+        p for p in variables
+        if p not in weights and not any(p.startswith(a) or f"/{a}" in p for a in allow_missing)
+    ]
     unexpected = [p for p in weights if p not in variables]
     mismatched = [
         f"{p}: expected {tuple(variables[p].shape)}, got {tuple(np.shape(weights[p]))}"

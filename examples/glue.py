@@ -1,0 +1,90 @@
+"""Fine-tune a BERT on a GLUE task (SST-2, CoLA, MRPC, STS-B) and report its dev metric.
+
+    KERAS_BACKEND=jax python examples/glue.py --task sst2
+    KERAS_BACKEND=torch python examples/glue.py --task stsb --preset path/to/bert --epochs 3
+    python examples/glue.py --task cola --train-file my/train.tsv --dev-file my/dev.tsv
+
+Data: `../shared/data/glue/<TASK>/{train,dev}.tsv` by default, or any files
+in GLUE format. The model is `--preset` (a kbert preset, Hugging Face BERT
+directory or registered name; default: the installed all-MiniLM-L6-v2).
+Texts are packed to `--sequence-length` tokens (longest-first truncation).
+Metrics: SST-2 accuracy, CoLA Matthews correlation, MRPC F1 (and accuracy),
+STS-B Pearson (and Spearman). The model is saved as `.keras` and a preset.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import finetune_common as common  # noqa: E402
+
+import kbert  # noqa: E402
+from kbert import metrics  # noqa: E402
+from kbert.data.finetuning import GLUE_TASKS, glue_path, read_glue  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="sst2", choices=sorted(GLUE_TASKS))
+    p.add_argument("--data-dir", default=os.path.join(common.SHARED_DATA, "glue"))
+    p.add_argument("--train-file", default=None)
+    p.add_argument("--dev-file", default=None)
+    common.add_training_args(p)
+    return p.parse_args(argv)
+
+
+def glue_metrics(task, labels, predictions):
+    if task == "stsb":
+        return {"pearson": metrics.pearson(labels, predictions), "spearman": metrics.spearman(labels, predictions)}
+    result = {"accuracy": metrics.accuracy(labels, predictions)}
+    if task == "cola":
+        result["mcc"] = metrics.matthews_corrcoef(labels, predictions)
+    if task == "mrpc":
+        result["f1"] = metrics.f1_score(labels, predictions)
+    return result
+
+
+def load(args):
+    train = read_glue(args.task, args.train_file or glue_path(args.task, args.data_dir, "train"))
+    dev = read_glue(args.task, args.dev_file or glue_path(args.task, args.data_dir, "dev"))
+    if args.max_train_examples:
+        train = tuple(None if v is None else v[: args.max_train_examples] for v in train)
+    if args.max_eval_examples:
+        dev = tuple(None if v is None else v[: args.max_eval_examples] for v in dev)
+    return train, dev
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    spec = GLUE_TASKS[args.task]
+    (texts, pairs, labels), (dev_texts, dev_pairs, dev_labels) = load(args)
+    model = kbert.BertClassifier.from_preset(args.preset, num_classes=spec["num_classes"], **common.task_kwargs(args))
+    model.preprocessor.sequence_length = args.sequence_length
+    order = common.epoch_order(len(texts), args.epochs, args.seed)
+    steps = -(-len(order) // args.batch_size)
+    model.compile(learning_rate=args.learning_rate, num_train_steps=steps)
+    x = common.take(texts, order) if pairs is None else (common.take(texts, order), common.take(pairs, order))
+    y = np.asarray(labels, "float32" if spec["kind"] == "score" else "int32")[order]
+    start = time.time()
+    model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=args.verbose)
+    train_seconds = time.time() - start
+    dev_x = dev_texts if dev_pairs is None else (dev_texts, dev_pairs)
+    predictions = model.predict_classes(dev_x, batch_size=128)
+    result = {"task": args.task, "train_examples": len(texts), "dev_examples": len(dev_texts),
+              "epochs": args.epochs, "train_seconds": round(train_seconds, 1),
+              **glue_metrics(args.task, dev_labels, predictions)}
+    output_dir = args.output_dir or os.path.join("runs", f"glue-{args.task}")
+    result["model"] = common.save(model, output_dir)
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

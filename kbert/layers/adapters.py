@@ -1,0 +1,84 @@
+"""Bottleneck adapters (Houlsby et al., 2019, "Parameter-Efficient Transfer
+Learning for NLP").
+
+Shapes: B batch, T tokens, H hidden, M adapter (bottleneck) width.
+"""
+
+import keras
+
+from kbert.layers.activations import get_activation
+
+ADAPTER_LAYER_NAMES = ("attention_adapter", "output_adapter")
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class BottleneckAdapter(keras.layers.Layer):
+    """x -> x + up(act(down(x))): a small residual MLP inserted after a
+    sub-layer's output projection, before its residual add and LayerNorm.
+
+    The up-projection starts at zero, so a freshly inserted adapter is the
+    identity and a pretrained model's outputs do not change until training.
+
+    Args:
+        adapter_size: int. bottleneck width M.
+        activation: str. nonlinearity in the bottleneck.
+        initializer_range: float. stddev of the down-projection init.
+
+    Example:
+    >>> adapter = BottleneckAdapter(4)
+    >>> x = keras.ops.ones((1, 3, 8))
+    >>> bool(keras.ops.all(adapter(x) == x))
+    True
+    """
+
+    def __init__(self, adapter_size, activation="gelu", initializer_range=0.02, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(adapter_size, int) or adapter_size < 1:
+            raise ValueError(f"adapter_size must be a positive int, got {adapter_size!r}")
+        self.adapter_size = adapter_size
+        self.activation = activation
+        self.initializer_range = initializer_range
+        self.down = keras.layers.Dense(
+            adapter_size,
+            activation=get_activation(activation),
+            kernel_initializer=keras.initializers.TruncatedNormal(stddev=initializer_range),
+            dtype=self.dtype_policy,
+            name="down",
+        )
+        self.up = None
+
+    def build(self, inputs_shape):
+        self.down.build(inputs_shape)
+        self.up = keras.layers.Dense(inputs_shape[-1], kernel_initializer="zeros", dtype=self.dtype_policy, name="up")
+        self.up.build(tuple(inputs_shape[:-1]) + (self.adapter_size,))
+        self.built = True
+
+    def call(self, inputs):
+        return inputs + self.up(self.down(inputs))
+
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(adapter_size=self.adapter_size, activation=self.activation, initializer_range=self.initializer_range)
+        return config
+
+
+def train_only_adapters(backbone):
+    """Freezes every backbone weight except the adapters and the LayerNorms
+    (Houlsby et al. train those and the task head)."""
+    if not getattr(backbone, "adapter_size", None):
+        raise ValueError(
+            "the backbone has no adapters; build it with adapter_size=M "
+            "(e.g. `Task.from_preset(preset, adapter_size=64, freeze_backbone='adapters')`)"
+        )
+    backbone.trainable = True
+    layer_norms = {
+        id(v)
+        for layer in backbone._flatten_layers(include_self=False, recursive=True)
+        if isinstance(layer, keras.layers.LayerNormalization)
+        for v in layer.weights
+    }
+    for v in backbone.weights:
+        v.trainable = id(v) in layer_norms or any(f"/{name}/" in v.path for name in ADAPTER_LAYER_NAMES)

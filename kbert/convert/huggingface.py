@@ -360,6 +360,7 @@ def export_to_huggingface(model, directory):
     elif name == "BertQuestionAnswerer":
         state["qa_outputs.weight"] = heads["logits/kernel"].T
         state["qa_outputs.bias"] = heads["logits/bias"]
+    if name in ("BertTokenClassifier", "BertQuestionAnswerer"):  # transformers builds these without a pooler
         state = {k: v for k, v in state.items() if not k.startswith("bert.pooler.")}
     save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, os.path.join(directory, "model.safetensors"),
               metadata={"format": "pt"})

@@ -10,7 +10,7 @@ start from identical weights. Inputs are built once by kbert (its tokenizer
 gives the same ids as `transformers`' for these data) and fed to both in the
 same shuffled order (`epoch_order`). Both train with AdamW (weight decay
 0.01, none on LayerNorm and biases, epsilon 1e-6), 10% linear warm-up then
-linear decay, global-norm clipping 1.0, dropout 0.1, fp32; the same
+linear decay (the original BERT schedule), global-norm clipping 1.0, dropout 0.1, fp32; the same
 post-processing and metric code scores both. transformers runs eagerly in
 PyTorch on the same device.
 
@@ -149,8 +149,10 @@ def run_transformers(cls, directory, x, y, w, ex, order, batch_size, learning_ra
                                   lr=learning_rate, betas=(0.9, 0.999), eps=1e-6)
     steps = -(-len(order) // batch_size)
     warmup = steps // 10
+    # the original BERT schedule, as kbert's WarmupLinearDecay: linear warm-up,
+    # then lr * (1 - step / steps) (the decay counts from step 0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s / max(1, warmup)) if s < warmup else max(0.0, (steps - s) / max(1, steps - warmup)))
+        optimizer, lambda s: (s / warmup) if s < warmup else max(0.0, 1.0 - s / steps))
 
     def tensors(inputs, rows):
         return dict(input_ids=torch.as_tensor(inputs["token_ids"][rows], device=device).long(),
@@ -191,6 +193,37 @@ def run_transformers(cls, directory, x, y, w, ex, order, batch_size, learning_ra
     return np.concatenate(outputs), seconds
 
 
+def summarize(results):
+    """Per task: mean (and standard deviation) of every metric over the seeds,
+    and kbert minus transformers on the headline metric, in points."""
+    for task, entry in results["tasks"].items():
+        for system in ("kbert", "transformers"):
+            runs = [r[system] for r in entry["runs"]]
+            entry[system] = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+            entry[system][entry["headline"] + "_std"] = float(np.std([r[entry["headline"]] for r in runs]))
+        scale = 1.0 if task == "xquad" else 100.0
+        entry["seeds"] = [r["seed"] for r in entry["runs"]]
+        entry["difference_points"] = round(
+            scale * (entry["kbert"][entry["headline"]] - entry["transformers"][entry["headline"]]), 2)
+    return results
+
+
+def merge(paths):
+    merged = None
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        if merged is None:
+            merged = part
+            continue
+        for task, entry in part["tasks"].items():
+            if task in merged["tasks"]:
+                merged["tasks"][task]["runs"] += entry["runs"]
+            else:
+                merged["tasks"][task] = entry
+    return summarize(merged)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
@@ -198,11 +231,17 @@ def main(argv=None):
     p.add_argument("--data-dir", default=common.SHARED_DATA)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=5e-5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed; means are compared")
     p.add_argument("--limit", type=int, default=None, help="first N training examples (smoke runs)")
     p.add_argument("--epochs", type=int, default=None, help="override the per-task epochs")
     p.add_argument("--out", default=None)
+    p.add_argument("--merge", nargs="+", default=None, help="combine the runs of earlier result files into --out")
     args = p.parse_args(argv)
+    if args.merge:
+        results = merge(args.merge)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        return results
     import keras
     import torch
 
@@ -211,28 +250,29 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {"preset": args.preset, "keras_backend": keras.backend.backend(), "device": device,
                "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-               "batch_size": args.batch_size, "learning_rate": args.learning_rate, "seed": args.seed, "tasks": {}}
+               "batch_size": args.batch_size, "learning_rate": args.learning_rate, "tasks": {}}
     for task in args.tasks:
         epochs = args.epochs or EPOCHS[task]
-        model, x, y, w, evaluate, ex, hf_cls = build(task, args.preset, args.data_dir, args.seed, LENGTHS[task],
-                                                     args.limit)
-        with tempfile.TemporaryDirectory() as directory:
-            export_to_huggingface(model, directory)  # identical initial weights, head included
-            order = common.epoch_order(len(x["token_ids"]), epochs, args.seed)
-            ours, our_seconds = run_kbert(model, x, y, w, ex, order, args.batch_size, args.learning_rate, task)
-            theirs, their_seconds = run_transformers(hf_cls, directory, x, y, w, ex, order, args.batch_size,
-                                                     args.learning_rate, task, device)
-        entry = {"epochs": epochs, "sequence_length": LENGTHS[task], "train_rows": int(len(x["token_ids"])),
-                 "headline": HEADLINE[task],
-                 "kbert": {**evaluate(ours), "train_seconds": round(our_seconds, 1)},
-                 "transformers": {**evaluate(theirs), "train_seconds": round(their_seconds, 1)}}
-        scale = 1.0 if task == "xquad" else 100.0
-        entry["difference_points"] = round(scale * (entry["kbert"][HEADLINE[task]] - entry["transformers"][HEADLINE[task]]), 2)
-        results["tasks"][task] = entry
-        print(task, json.dumps(entry), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
+        entry = results["tasks"].setdefault(task, {"epochs": epochs, "sequence_length": LENGTHS[task],
+                                                   "headline": HEADLINE[task], "runs": []})
+        for seed in args.seeds:
+            model, x, y, w, evaluate, ex, hf_cls = build(task, args.preset, args.data_dir, seed, LENGTHS[task],
+                                                         args.limit)
+            with tempfile.TemporaryDirectory() as directory:
+                export_to_huggingface(model, directory)  # identical initial weights, head included
+                order = common.epoch_order(len(x["token_ids"]), epochs, seed)
+                ours, our_seconds = run_kbert(model, x, y, w, ex, order, args.batch_size, args.learning_rate, task)
+                theirs, their_seconds = run_transformers(hf_cls, directory, x, y, w, ex, order, args.batch_size,
+                                                         args.learning_rate, task, device)
+            entry["train_rows"] = int(len(x["token_ids"]))
+            entry["runs"].append({"seed": seed,
+                                  "kbert": {**evaluate(ours), "train_seconds": round(our_seconds, 1)},
+                                  "transformers": {**evaluate(theirs), "train_seconds": round(their_seconds, 1)}})
+            print(task, json.dumps(entry["runs"][-1]), flush=True)
+            summarize(results)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=2)
     return results
 
 

@@ -6,7 +6,8 @@
   tensor is what made keras-hub's cuDNN call fail). That needs right padding
   (1s then 0s), which every kbert pipeline produces; a batch whose mask is
   not of that form is sent, inside the same compiled step, to the XLA path.
-  Under a `keras.distribution` (data parallel) the XLA path is used.
+  Under a `keras.distribution` (data parallel) the XLA path is used; so it
+  is for float32 (cuDNN flash attention takes only 16-bit and fp8 inputs).
 - everything else: `keras.ops.dot_product_attention` with a boolean mask
   (PyTorch SDPA on torch; XLA or the TensorFlow kernel elsewhere).
 `fused_attention_path()` says which one is used.
@@ -26,14 +27,16 @@ def _jax_gpu():
     return jax.devices()[0].platform == "gpu"
 
 
-def fused_attention_path():
-    return "jax-cudnn-flash" if _jax_gpu() else f"keras-{keras.backend.backend()}"
+def fused_attention_path(dtype="bfloat16"):
+    """Which kernel `fused_attention` uses for inputs of `dtype`."""
+    cudnn = _jax_gpu() and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+    return "jax-cudnn-flash" if cudnn else f"keras-{keras.backend.backend()}"
 
 
 def fused_attention(query, key, value, padding_mask, scale):
     """query/key/value (B, T, N, D); padding_mask (B, S) -> (B, T, N, D)."""
     keep = ops.cast(padding_mask, "bool")
-    if _jax_gpu():
+    if _jax_gpu() and keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16"):
         return _jax_cudnn(query, key, value, keep, scale)
     # A row with no real token would softmax over nothing (NaN); let it
     # attend everywhere instead. Its outputs are padding and unused.

@@ -94,9 +94,12 @@ class BertPreprocessor(keras.layers.Layer):
 
     @classmethod
     def from_directory(cls, directory, default_sequence_length=128):
-        """From tokenizer files in a preset or Hugging Face directory, or None."""
+        """From tokenizer files in a preset, Hugging Face or keras-hub directory, or None."""
         if not os.path.isfile(os.path.join(directory, "vocab.txt")):
-            return None
+            from kbert.convert import keras_hub
+
+            tokenizer = keras_hub.load_tokenizer(directory) if keras_hub.is_keras_hub_dir(directory) else None
+            return cls(tokenizer, default_sequence_length) if tokenizer is not None else None
         sequence_length = default_sequence_length
         path = os.path.join(directory, PREPROCESSOR_FILE)
         if os.path.isfile(path):

@@ -168,10 +168,15 @@ def is_kbert_preset(directory):
 
 
 def load_backbone(directory, load_weights=True, **overrides):
-    """BertBackbone from a kbert preset or a Hugging Face BERT directory."""
+    """BertBackbone from a kbert preset, a Hugging Face BERT directory, an
+    original TF checkpoint directory or a keras-hub BERT preset."""
     from kbert.convert import huggingface
     from kbert.models.backbone import BertBackbone
 
+    from kbert.convert import keras_hub
+
+    if keras_hub.is_keras_hub_dir(directory):
+        return keras_hub.load_backbone(directory, load_weights=load_weights, **overrides)
     if huggingface.is_huggingface_dir(directory):
         return huggingface.load_backbone(directory, load_weights=load_weights, **overrides)
     if not is_kbert_preset(directory):

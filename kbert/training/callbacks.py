@@ -88,22 +88,31 @@ def restore_backend_rng_state(arrays):
 
 class ResumableCheckpoint(keras.callbacks.Callback):
     """Saves weights, optimizer state (step, moments, loss scale) and RNG
-    state at the end of every fit "epoch" (one checkpoint interval), and
-    stops at the first non-finite loss without saving it.
+    state at the end of every fit "epoch" (one checkpoint interval), stops at
+    the first non-finite loss without saving it, and on a termination request
+    (`request_stop`, e.g. from a SIGTERM handler) saves at the current step
+    and stops.
 
     Args:
         directory: str. checkpoint directory.
         steps_per_checkpoint: int. steps in one fit epoch.
         keep: int. checkpoints kept.
+        start_step: int. the global step the next fit starts at.
     """
 
-    def __init__(self, directory, steps_per_checkpoint, keep=2):
+    def __init__(self, directory, steps_per_checkpoint, keep=2, start_step=0):
         super().__init__()
         self.directory = directory
         self.steps_per_checkpoint = steps_per_checkpoint
         self.keep = keep
         self.failed_step = None
-        self._epoch = 0
+        self.stopped_at = None  # step saved on a termination request
+        self.step = start_step  # global step after the last finished batch
+        self._stop_requested = False
+
+    def request_stop(self):
+        """Asks the run to checkpoint after the current step and stop (signal-safe)."""
+        self._stop_requested = True
 
     def on_train_batch_begin(self, batch, logs=None):
         # At the first batch, after the data iterator exists: creating torch's
@@ -114,15 +123,21 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self.model._kbert_pending_rng = None
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
+        self._epoch_start = self.step
 
     def on_train_batch_end(self, batch, logs=None):
+        self.step = self._epoch_start + batch + 1
         loss = (logs or {}).get("loss")
         if loss is not None and not math.isfinite(float(loss)):
-            self.failed_step = self._epoch * self.steps_per_checkpoint + batch + 1
+            self.failed_step = self.step
+            self.model.stop_training = True
+            return
+        if self._stop_requested and self.stopped_at is None:
+            save_checkpoint(self.model, self.directory, self.step, self.keep)
+            self.stopped_at = self.step
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.failed_step is not None:
+        if self.failed_step is not None or self.stopped_at is not None:
             return
-        save_checkpoint(self.model, self.directory, (epoch + 1) * self.steps_per_checkpoint, self.keep)
+        save_checkpoint(self.model, self.directory, self.step, self.keep)

@@ -2,8 +2,11 @@
 process continues from the last checkpoint (weights, optimizer state, schedule
 step, RNG state and data position)."""
 
+import contextlib
 import json
 import os
+import signal
+import threading
 
 import numpy as np
 
@@ -12,6 +15,7 @@ from kbert.training.callbacks import (
     STATE_FILE,
     NonFiniteLossError,
     ResumableCheckpoint,
+    _backend_rng_state,
     _variables,
 )
 
@@ -94,19 +98,46 @@ def fit_resumable(
         start = restore_checkpoint(model, checkpoint)
     if start >= total_steps:
         return None, start
-    saver = ResumableCheckpoint(checkpoint_dir, steps_per_checkpoint, keep)
-    history = model.fit(
-        make_dataset(start),
-        initial_epoch=start // steps_per_checkpoint,
-        epochs=total_steps // steps_per_checkpoint,
-        steps_per_epoch=steps_per_checkpoint,
-        callbacks=[saver, *callbacks],
-        verbose=verbose,
-    )
+    saver = ResumableCheckpoint(checkpoint_dir, steps_per_checkpoint, keep, start_step=start)
+    history = None
+    with _stop_on_sigterm(saver):
+        partial = (-start) % steps_per_checkpoint
+        if partial:  # a SIGTERM checkpoint mid-interval: finish that interval first
+            history = model.fit(make_dataset(start), epochs=1, steps_per_epoch=partial,
+                                callbacks=[saver, *callbacks], verbose=verbose)
+        if saver.failed_step is None and saver.stopped_at is None and saver.step < total_steps:
+            if partial:  # this fit's set-up must not move torch's generator (one fit would not have)
+                model._kbert_pending_rng = _backend_rng_state()
+            history = model.fit(
+                make_dataset(saver.step),
+                initial_epoch=saver.step // steps_per_checkpoint,
+                epochs=total_steps // steps_per_checkpoint,
+                steps_per_epoch=steps_per_checkpoint,
+                callbacks=[saver, *callbacks],
+                verbose=verbose,
+            )
     if saver.failed_step is not None:
         raise NonFiniteLossError(
             f"loss became NaN/inf at step {saver.failed_step}; training stopped. The last good "
             f"checkpoint is {latest_checkpoint(checkpoint_dir)} (lower the learning rate, check the "
             "data, or use float32 / loss scaling)"
         )
+    if saver.stopped_at is not None:
+        print(f"SIGTERM: saved a checkpoint at step {saver.stopped_at} in {checkpoint_dir}; "
+              "run the same command again to continue", flush=True)
+        raise SystemExit(128 + signal.SIGTERM)
     return history, start
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(saver):
+    """While training, SIGTERM (preemption) checkpoints after the current step
+    and exits; the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: saver.request_stop())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -34,6 +34,16 @@ class BertPreprocessor(keras.layers.Layer):
         kwargs.pop("dtype", None)
         super().__init__(trainable=False, dtype="int32", **kwargs)
         if isinstance(tokenizer, dict):
+            # A config (from a .keras file or preset) must carry the vocabulary
+            # itself: a string there would make loading read a file named by
+            # the artifact.
+            vocabulary = tokenizer.get("vocabulary")
+            if not isinstance(vocabulary, (list, tuple)) or not all(isinstance(t, str) for t in vocabulary):
+                raise ValueError(
+                    "preprocessor config must embed its vocabulary as a list of token strings, got "
+                    f"{type(vocabulary).__name__} {str(vocabulary)[:80]!r}; refusing to read a vocabulary "
+                    "file named by a saved artifact"
+                )
             tokenizer = BertTokenizer(**tokenizer)
         if truncate != "longest_first":
             raise ValueError(f"truncate={truncate!r}: only 'longest_first' is supported")

@@ -196,3 +196,18 @@ def test_token_classification_head_matches_transformers_both_ways(tmp_path):
     again = transformers.BertForTokenClassification.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         np.testing.assert_allclose(again(**_torch_inputs(x)).logits.numpy(), ref, atol=1e-6)
+
+
+def test_text_embedder_learned_layer_mix(preprocessor, tmp_path):
+    backbone = kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB), "output_hidden_states": True})
+    embedder = kbert.BertTextEmbedder(backbone, pooling="mean", normalize=False, preprocessor=preprocessor,
+                                      layer_mix=True)
+    x = preprocessor(TEXTS[:3])
+    hidden = harness.to_numpy(backbone(x))["hidden_states"]  # (B, L + 1, T, H)
+    mask = x["padding_mask"][..., None]
+    expected = ((hidden.mean(axis=1) * mask).sum(1) / mask.sum(1))  # zero weights = plain average of layers
+    np.testing.assert_allclose(harness.to_numpy(embedder(x)), expected, atol=1e-5)
+    assert {v.path for v in embedder.trainable_weights} >= {"layer_mix/layer_weights", "layer_mix/gamma"}
+    harness.check_keras_round_trip(embedder, x, tmp_path)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        kbert.BertTextEmbedder(kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)}), layer_mix=True)

@@ -45,6 +45,8 @@ def main():
     model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY))
     model.compile(optimizer=create_optimizer(1e-3, TOTAL, 2))
 
+    losses = []
+
     class Fault(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
@@ -55,6 +57,7 @@ def main():
 
         def on_train_batch_end(self, batch_index, logs=None):
             self.step += 1
+            losses.append(float(logs["loss"]))
             if self.step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.step == args.term_at:
@@ -74,7 +77,7 @@ def main():
 
         kbert_callbacks.np.savez = dying_savez
     fit_resumable(model, make, TOTAL, args.checkpoint_dir, steps_per_checkpoint=EVERY, callbacks=[Fault()], verbose=0)
-    np.savez(args.out, *[keras.ops.convert_to_numpy(v) for v in model.weights])
+    np.savez(args.out, *[keras.ops.convert_to_numpy(v) for v in model.weights], losses=np.asarray(losses))
 
 
 if __name__ == "__main__":

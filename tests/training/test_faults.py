@@ -25,7 +25,7 @@ def _run(checkpoints, out, *flags, seed=0):
 
 def _weights(path):
     with np.load(path) as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+        return [f[k] for k in sorted((k for k in f.files if k.startswith("arr_")), key=lambda k: int(k.split("_")[1]))]
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +80,17 @@ def test_sigterm_saves_a_checkpoint_and_exits(uninterrupted, tmp_path):
     result = _run(ckpt, out, seed=2)
     assert result.returncode == 0, result.stderr[-2000:]
     _assert_same(_weights(out), uninterrupted)
+
+
+@pytest.mark.large
+def test_same_seed_gives_identical_loss_curve_and_weights(uninterrupted, tmp_path):
+    first = _run(tmp_path / "a", tmp_path / "a.npz")
+    second = _run(tmp_path / "b", tmp_path / "b.npz")
+    assert first.returncode == 0 and second.returncode == 0
+    with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
+        assert len(a["losses"]) == 8
+        np.testing.assert_array_equal(a["losses"], b["losses"])  # bit-identical loss curve
+    for x, y in zip(_weights(tmp_path / "a.npz"), _weights(tmp_path / "b.npz")):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(_weights(tmp_path / "a.npz"), uninterrupted):
+        np.testing.assert_array_equal(x, y)

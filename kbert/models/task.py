@@ -227,6 +227,31 @@ class Task(PresetMixin, keras.Model):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         super().compile(optimizer=optimizer, **kwargs)
 
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras' TensorFlow trainer builds the model from a sample batch that
+        # it reduces with `strategy.reduce` on the nested structure, which
+        # MultiWorkerMirroredStrategy rejects ("Attempt to convert a value
+        # ({'token_ids': PerReplica..."). A kbert task is built when it is
+        # constructed; when only the optimizer is left, build it directly.
+        strategy = getattr(self, "_distribute_strategy", None)
+        built = (
+            all(layer.built for layer in self._flatten_layers())
+            and (self._compile_metrics is None or self._compile_metrics.built)
+            and (self._compile_loss is None or self._compile_loss.built)
+        )
+        if strategy is not None and built:
+            if self.optimizer is not None and not self.optimizer.built:
+                with strategy.scope():
+                    self.optimizer.build(self.trainable_variables)
+            return
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+    def train_step(self, *args, **kwargs):
+        return _multi_worker_logs(self, super().train_step(*args, **kwargs))
+
+    def test_step(self, *args, **kwargs):
+        return _multi_worker_logs(self, super().test_step(*args, **kwargs))
+
     def compile_from_config(self, config):
         # Our compile only adds defaults, so a saved compile config replays as is.
         config = keras.saving.deserialize_keras_object(config)
@@ -239,6 +264,21 @@ class Task(PresetMixin, keras.Model):
         from kbert.models.preprocessor import BertPreprocessor
 
         return BertPreprocessor.from_directory(directory, min(128, backbone.max_sequence_length))
+
+
+def _multi_worker_logs(model, logs):
+    """Keras' TensorFlow trainer averages logs across MultiWorkerMirrored
+    workers with `strategy.reduce("MEAN", v, axis=0)`, which fails on scalar
+    logs ("Invalid reduction dimension 0 for input with 0 dimensions"). Give
+    them a length-1 axis there; the reduction makes them scalars again."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None or not isinstance(logs, dict):
+        return logs
+    import tensorflow as tf
+
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or not strategy.extended._in_multi_worker_mode():
+        return logs
+    return {k: tf.reshape(v, (1,)) if tf.is_tensor(v) and v.shape.rank == 0 else v for k, v in logs.items()}
 
 
 def _is_text(x):

@@ -156,3 +156,72 @@ def test_torch_backend_refuses_multi_device_engines():
         pytest.skip("torch pass only")
     with pytest.raises(ValueError, match="one device only"):
         distribution_scope("jax-data-parallel")
+
+
+MULTI_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, numpy as np
+    index, ports, out, clipnorm = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], float(sys.argv[4])
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": index}})
+    import keras, kbert, tensorflow as tf
+    from kbert.training import create_optimizer, distribution_scope
+    from tests.harness import TINY
+    from tests.models.test_pretrainer import batch
+    scope, replicas = distribution_scope("tf-multi-worker")
+    keras.utils.set_random_seed(0)
+    with scope:
+        model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY, dropout=0.0, attention_dropout=0.0))
+        model.compile(optimizer=create_optimizer(1e-3, 10, 0, clipnorm=clipnorm))
+    xs, ys = zip(*[batch(seed=i) for i in range(3)])
+    x = {k: np.concatenate([b[k] for b in xs]) for k in xs[0]}
+    y = {k: np.concatenate([b[k] for b in ys]) for k in ys[0]}
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # the same global batches as single-device
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    model.fit(data.with_options(options), epochs=1, verbose=0)
+    if index == 0:
+        np.savez(out, replicas=replicas, *[keras.ops.convert_to_numpy(v) for v in model.weights])
+    """
+)
+
+
+def _free_ports(n):
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("clipnorm", [1e9, 0.01])
+def test_two_worker_processes_equal_single_device(clipnorm, tmp_path):
+    """tf.distribute.MultiWorkerMirroredStrategy: 2 worker processes on
+    localhost (TF_CONFIG), each with one CPU replica, equal single-device
+    training on the same global batches."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("runs in the tensorflow pass of the suite")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", KERAS_BACKEND="tensorflow", PYTHONPATH=root)
+    ports = ",".join(map(str, _free_ports(2)))
+    out = str(tmp_path / "mw.npz")
+    workers = [subprocess.Popen([sys.executable, "-c", MULTI_WORKER, str(i), ports, out, str(clipnorm)], env=env,
+                                cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        results = [w.communicate(timeout=600) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    for w, (_, err) in zip(workers, results):
+        assert w.returncode == 0, err[-3000:]
+    with np.load(out) as f:
+        assert int(f["replicas"]) == 2
+        distributed = [f[f"arr_{i}"] for i in range(len(f.files) - 1)]
+    _, single = _train("none", str(tmp_path / "s.npz"), {"KERAS_BACKEND": "tensorflow"}, clipnorm)
+    for a, b in zip(distributed, single):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

@@ -167,7 +167,8 @@ def build_model(args, tokenizer, scope):
     with scope:
         backbone = kbert.BertBackbone(
             vocabulary_size=tokenizer.vocabulary_size,
-            max_sequence_length=max(args.max_position, args.max_seq_length),
+            max_sequence_length=max(args.max_position, args.max_seq_length,
+                                    args.phase2_seq_length if args.phase2_steps else 0),
             dropout=args.dropout,
             attention_dropout=args.attention_dropout,
             activation=args.activation,

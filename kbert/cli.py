@@ -58,7 +58,7 @@ def _load_any(source, allow_pickle=False):
         with open(task_path) as f:
             name = json.load(f).get("class_name")
         cls = getattr(kbert, str(name), None)
-        if cls is None:
+        if not (isinstance(cls, type) and issubclass(cls, kbert.models.Task)):
             raise ValueError(f"{task_path} names an unknown task {name!r}")
         return cls.from_preset(source)
     if huggingface.is_huggingface_dir(source):
@@ -71,6 +71,10 @@ def _load_any(source, allow_pickle=False):
             return kbert.BertMaskedLM.from_preset(source)
         if architecture == "BertForSequenceClassification":
             return kbert.BertClassifier.from_preset(source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2))
+        if architecture == "BertForTokenClassification":
+            return kbert.BertTokenClassifier.from_preset(source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2))
+        if architecture == "BertForQuestionAnswering":
+            return kbert.BertQuestionAnswerer.from_preset(source)
     return kbert.BertBackbone.from_preset(source)
 
 

@@ -1,7 +1,7 @@
 """What the fine-tuning recipes share: the default checkpoint, argument
 groups, the epoch order, and saving. Each recipe stays a flat script."""
 
-import argparse
+import json
 import os
 
 import numpy as np
@@ -66,9 +66,14 @@ def take(values, index):
     return [values[i] for i in index]
 
 
-def save(model, output_dir):
+def finish(model, result, output_dir, quiet_keys=()):
+    """Saves the model (.keras + preset) and results.json, prints the result;
+    returns it with the .keras path under "model"."""
     os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "model.keras")
-    model.save(path)
+    result["model"] = os.path.join(output_dir, "model.keras")
+    model.save(result["model"])
     model.save_to_preset(os.path.join(output_dir, "preset"))
-    return path
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k not in quiet_keys}, indent=2))
+    return result

@@ -13,7 +13,6 @@ STS-B Pearson (and Spearman). The model is saved as `.keras` and a preset.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -78,12 +77,7 @@ def main(argv=None):
     result = {"task": args.task, "train_examples": len(texts), "dev_examples": len(dev_texts),
               "epochs": args.epochs, "train_seconds": round(train_seconds, 1),
               **glue_metrics(args.task, dev_labels, predictions)}
-    output_dir = args.output_dir or os.path.join("runs", f"glue-{args.task}")
-    result["model"] = common.save(model, output_dir)
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    return result
+    return common.finish(model, result, args.output_dir or os.path.join("runs", f"glue-{args.task}"))
 
 
 if __name__ == "__main__":

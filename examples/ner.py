@@ -12,7 +12,6 @@ Metric: micro entity F1 with the conlleval/seqeval rules on `--eval-file`
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -71,12 +70,7 @@ def main(argv=None):
               "entity_f1": metrics.entity_f1(eval_tags, predicted_tags),
               "token_accuracy": float(np.mean([p == t for ps, ts in zip(predicted_tags, eval_tags)
                                                for p, t in zip(ps, ts)]))}
-    output_dir = args.output_dir or os.path.join("runs", "ner")
-    result["model"] = common.save(model, output_dir)
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps({k: v for k, v in result.items() if k != "labels"}, indent=2))
-    return result
+    return common.finish(model, result, args.output_dir or os.path.join("runs", "ner"), quiet_keys=("labels",))
 
 
 if __name__ == "__main__":

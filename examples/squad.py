@@ -20,7 +20,6 @@ import os
 import sys
 import time
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import finetune_common as common  # noqa: E402
@@ -84,13 +83,10 @@ def main(argv=None):
               "eval_questions": len(evaluation), "epochs": args.epochs, "train_seconds": round(train_seconds, 1),
               **scores}
     output_dir = args.output_dir or os.path.join("runs", "squad")
-    result["model"] = common.save(model, output_dir)
+    os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "predictions.json"), "w") as f:
         json.dump({e["id"]: a for e, a in zip(evaluation, answers)}, f, indent=2, ensure_ascii=False)
-    with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
-    return result
+    return common.finish(model, result, output_dir)
 
 
 if __name__ == "__main__":

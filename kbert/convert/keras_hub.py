@@ -15,21 +15,12 @@ import os
 
 import numpy as np
 
-from kbert.presets.io import PresetError, preset_file
+from kbert.presets.io import PresetError, preset_file, read_json
 from kbert.presets.weights import assign_weights
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
 VOCABULARY_FILE = os.path.join("assets", "tokenizer", "vocabulary.txt")
-
-
-def _read_json(directory, name):
-    path = preset_file(directory, name)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise PresetError(f"{path} is not readable JSON: {e}") from e
 
 
 def is_keras_hub_dir(directory):
@@ -45,7 +36,7 @@ def is_keras_hub_dir(directory):
 
 
 def backbone_config(directory):
-    config = _read_json(directory, CONFIG_FILE)
+    config = read_json(directory, CONFIG_FILE)
     if config.get("registered_name") != "keras_hub>BertBackbone":
         raise PresetError(
             f"{directory}/{CONFIG_FILE} is a keras-hub {config.get('registered_name')!r}, not a BERT backbone "
@@ -162,7 +153,7 @@ def load_tokenizer(directory):
         return None
     lowercase = False
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        lowercase = bool(_read_json(directory, "tokenizer.json").get("config", {}).get("lowercase", False))
+        lowercase = bool(read_json(directory, "tokenizer.json").get("config", {}).get("lowercase", False))
     root = os.path.realpath(directory)
     if os.path.realpath(vocab) != os.path.join(root, VOCABULARY_FILE):  # a symlink on the way leads out
         raise PresetError(f"{vocab} resolves outside {directory}; refusing to read it")

@@ -8,6 +8,7 @@ import numpy as np
 from keras import ops
 
 from kbert.models.task import Task
+from kbert.utils import checks
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -63,15 +64,7 @@ class BertClassifier(Task):
                 bad = values[~np.isfinite(values)][0]
                 raise ValueError(f"regression targets contain {bad}; remove or fix those examples")
             return values
-        if values.dtype.kind == "f" and not np.all(np.mod(values, 1) == 0):
-            raise ValueError("classification labels must be integers (class ids); for scores use num_classes=1")
-        values = values.astype("int64")
-        if values.size and (values.min() < 0 or values.max() >= self.num_classes):
-            bad = values.max() if values.max() >= self.num_classes else values.min()
-            raise ValueError(
-                f"label {bad} is outside [0, {self.num_classes}); labels are class ids 0..{self.num_classes - 1}"
-            )
-        return values
+        return checks.check_class_ids(values, self.num_classes, hint="; for scores use num_classes=1")
 
     def predict_classes(self, x, **kwargs):
         """Class ids (or scores for regression) for raw texts or inputs."""

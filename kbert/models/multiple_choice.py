@@ -4,10 +4,10 @@ Shapes: B questions, N choices, T tokens.
 """
 
 import keras
-import numpy as np
 from keras import ops
 
 from kbert.models.task import Task
+from kbert.utils import checks
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -103,11 +103,4 @@ class BertMultipleChoice(Task):
         return {k: v.reshape(len(contexts), self.num_choices, -1) for k, v in packed.items()}
 
     def check_targets(self, y):
-        values = np.asarray(y)
-        if values.dtype.kind == "f" and not np.all(np.mod(values, 1) == 0):
-            raise ValueError("multiple-choice labels must be integer choice indices")
-        values = values.astype("int64")
-        if values.size and (values.min() < 0 or values.max() >= self.num_choices):
-            bad = values.max() if values.max() >= self.num_choices else values.min()
-            raise ValueError(f"label {bad} is outside [0, {self.num_choices}): labels are choice indices")
-        return values
+        return checks.check_class_ids(y, self.num_choices, kind="multiple-choice", meaning="choice indices")

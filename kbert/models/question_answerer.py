@@ -14,8 +14,8 @@ import collections
 
 import keras
 import numpy as np
-from keras import ops
 
+from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.task import Task
 
 QAFeatures = collections.namedtuple(
@@ -113,7 +113,7 @@ class BertQuestionAnswerer(Task):
         """
         if self.preprocessor is None:
             raise ValueError("BertQuestionAnswerer needs a preprocessor to take raw text")
-        questions, contexts = _strings(questions, "questions"), _strings(contexts, "contexts")
+        questions, contexts = BertPreprocessor._texts(questions, "questions"), BertPreprocessor._texts(contexts, "contexts")
         if len(questions) != len(contexts):
             raise ValueError(f"got {len(questions)} questions but {len(contexts)} contexts")
         if answers is not None and len(answers) != len(questions):
@@ -234,7 +234,7 @@ class BertQuestionAnswerer(Task):
 
     def postprocess(self, features, outputs, contexts, return_scores=False):
         """Start/end logits of every window -> the best answer per question."""
-        contexts = _strings(contexts, "contexts")
+        contexts = BertPreprocessor._texts(contexts, "contexts")
         start_logits = np.asarray(outputs["start_logits"], "float64")
         end_logits = np.asarray(outputs["end_logits"], "float64")
         best = [(-np.inf, "")] * len(contexts)
@@ -261,12 +261,3 @@ class BertQuestionAnswerer(Task):
             scores.append(float(score) if np.isfinite(score) else float("-inf"))
         return (answers, scores) if return_scores else answers
 
-
-def _strings(values, what):
-    if isinstance(values, str):
-        return [values]
-    values = list(np.asarray(values, dtype=object).reshape(-1)) if isinstance(values, np.ndarray) else list(values)
-    for v in values:
-        if not isinstance(v, str):
-            raise ValueError(f"{what} must be strings, got {type(v).__name__}: {v!r}"[:200])
-    return values

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 
 from kbert.models.task import Task
+from kbert.utils import checks
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -87,10 +88,10 @@ class BertTokenClassifier(Task):
                     weights[row, position] = 1.0
             firsts.append(positions)
         if labels is not None:
-            flat = np.concatenate([np.asarray(l, "int64").reshape(-1) for l in labels]) if batch else np.zeros(0)
-            if flat.size and (flat.min() < 0 or flat.max() >= self.num_classes):
-                bad = flat.max() if flat.max() >= self.num_classes else flat.min()
-                raise ValueError(f"label {bad} is outside [0, {self.num_classes})")
+            checks.check_class_ids(
+                np.concatenate([np.asarray(l).reshape(-1) for l in labels]) if batch else np.zeros(0, "int64"),
+                self.num_classes, kind="token",
+            )
         x = {"token_ids": token_ids, "segment_ids": np.zeros_like(token_ids), "padding_mask": mask}
         return x, y, weights, firsts
 

@@ -51,3 +51,16 @@ def check_sequence_length(length, max_sequence_length):
             f"{max_sequence_length}; truncate the inputs (the preprocessor's "
             "sequence_length) or build the model with a larger max_sequence_length"
         )
+
+
+def check_class_ids(values, count, kind="classification", meaning="class ids", hint=""):
+    """Labels -> int64 array, or a ValueError naming the first bad label:
+    fractional values, or ids outside [0, count)."""
+    values = np.asarray(values)
+    if values.dtype.kind == "f" and not np.all(np.mod(values, 1) == 0):
+        raise ValueError(f"{kind} labels must be integers ({meaning}){hint}")
+    values = values.astype("int64")
+    if values.size and (values.min() < 0 or values.max() >= count):
+        bad = values.max() if values.max() >= count else values.min()
+        raise ValueError(f"label {bad} is outside [0, {count}): labels are {meaning} 0..{count - 1}")
+    return values

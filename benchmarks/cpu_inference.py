@@ -97,6 +97,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default=os.path.join(HERE, "results", "cpu_inference.json"))
+    parser.add_argument("--systems", nargs="+", default=["transformers", "kbert-jax", "kbert-torch", "kbert-tensorflow"])
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     texts = sentences(args.data)
@@ -105,7 +106,7 @@ def main():
         print("RESULT " + json.dumps(run(texts, args.batch_size, args.repeats)))
         return
     results = {}
-    for system in ("transformers", "kbert-jax", "kbert-torch", "kbert-tensorflow"):
+    for system in args.systems:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         if system.startswith("kbert"):
             env["KERAS_BACKEND"] = system.split("-")[1]

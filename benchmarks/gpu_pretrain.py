@@ -82,7 +82,7 @@ def check_fused_attention():
     real[3] = False
     error = float(np.abs(fused - explicit)[real].max())
     return {"fused_vs_explicit_max_abs": error, "finite": bool(np.isfinite(fused).all()),
-            "path": kbert.layers.fused_attention.fused_attention_path()}
+            "path": kbert.layers.fused.fused_attention_path()}
 
 
 def run_kbert(arch, t, b, p, variant, steps, spe):
@@ -130,7 +130,7 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         peak = torch.cuda.max_memory_allocated()
     result = {"seconds": seconds, "sequences": n, "loss": loss, "peak_bytes": peak,
               "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True),
-              "fused_kernel": kbert.layers.fused_attention.fused_attention_path()}
+              "fused_kernel": kbert.layers.fused.fused_attention_path()}
     if keras.backend.backend() == "jax":
         result["check"] = check_fused_attention()
     return result

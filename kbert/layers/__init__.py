@@ -1,6 +1,8 @@
 """Backend-agnostic BERT building blocks (keras + keras.ops only)."""
 
-from kbert.layers import fused_attention
+from kbert.layers import fused
+from kbert.layers.dense import Dense
+from kbert.layers.dropout import Dropout
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention
@@ -11,6 +13,8 @@ from kbert.layers.heads import MaskedLMHead, NextSentenceHead, Pooler
 __all__ = [
     "BertEmbeddings",
     "BottleneckAdapter",
+    "Dense",
+    "Dropout",
     "MaskedLMHead",
     "MultiHeadSelfAttention",
     "NextSentenceHead",

@@ -7,6 +7,7 @@ Shapes: B batch, T tokens, H hidden, M adapter (bottleneck) width.
 import keras
 
 from kbert.layers.activations import get_activation
+from kbert.layers.dense import Dense
 
 ADAPTER_LAYER_NAMES = ("attention_adapter", "output_adapter")
 
@@ -38,7 +39,7 @@ class BottleneckAdapter(keras.layers.Layer):
         self.adapter_size = adapter_size
         self.activation = activation
         self.initializer_range = initializer_range
-        self.down = keras.layers.Dense(
+        self.down = Dense(
             adapter_size,
             activation=get_activation(activation),
             kernel_initializer=keras.initializers.TruncatedNormal(stddev=initializer_range),
@@ -49,7 +50,7 @@ class BottleneckAdapter(keras.layers.Layer):
 
     def build(self, inputs_shape):
         self.down.build(inputs_shape)
-        self.up = keras.layers.Dense(inputs_shape[-1], kernel_initializer="zeros", dtype=self.dtype_policy, name="up")
+        self.up = Dense(inputs_shape[-1], kernel_initializer="zeros", dtype=self.dtype_policy, name="up")
         self.up.build(tuple(inputs_shape[:-1]) + (self.adapter_size,))
         self.built = True
 

@@ -4,7 +4,7 @@ Shapes: B batch, T query tokens, S key tokens (= T), N heads, D head size,
 H hidden (= N * D).
 
 Two paths compute the same function:
-- fused: `kbert.layers.fused_attention` (cuDNN flash attention on JAX+GPU,
+- fused: `kbert.layers.fused` (cuDNN flash attention on JAX+GPU,
   PyTorch SDPA on torch, XLA elsewhere), used whenever no attention-probability dropout is
   active, i.e. at inference and when training with `attention_dropout=0`;
 - explicit: softmax(QK^T / sqrt(D)) with dropout on the probabilities, the
@@ -17,7 +17,9 @@ import math
 import keras
 from keras import ops
 
-from kbert.layers.fused_attention import fused_attention
+from kbert.layers.dense import Dense
+from kbert.layers.dropout import Dropout
+from kbert.layers.fused import fused_attention
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -56,13 +58,13 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         self.attention_dropout = attention_dropout
         self.initializer_range = initializer_range
         init = keras.initializers.TruncatedNormal(stddev=initializer_range)
-        self.qkv = keras.layers.Dense(
+        self.qkv = Dense(
             3 * hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="qkv"
         )
-        self.output_dense = keras.layers.Dense(
+        self.output_dense = Dense(
             hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="output"
         )
-        self.probs_dropout = keras.layers.Dropout(
+        self.probs_dropout = Dropout(
             attention_dropout, dtype=self.dtype_policy, name="probs_dropout"
         )
 

@@ -6,6 +6,7 @@ Shapes: B batch, T tokens, H hidden, V vocabulary.
 import keras
 from keras import ops
 
+from kbert.layers.dropout import Dropout
 from kbert.utils import checks
 
 
@@ -100,7 +101,7 @@ class BertEmbeddings(keras.layers.Layer):
         self.layer_norm = keras.layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
-        self.dropout_layer = keras.layers.Dropout(
+        self.dropout_layer = Dropout(
             dropout, dtype=self.dtype_policy, name="dropout"
         )
 

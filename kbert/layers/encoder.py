@@ -6,6 +6,8 @@ Shapes: B batch, T tokens, H hidden, I intermediate (feed-forward) width.
 import keras
 
 from kbert.layers.activations import canonical_activation, get_activation
+from kbert.layers.dense import Dense
+from kbert.layers.dropout import Dropout
 from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
 
@@ -66,21 +68,21 @@ class TransformerEncoderBlock(keras.layers.Layer):
             dtype=policy,
             name="self_attention",
         )
-        self.attention_dropout_layer = keras.layers.Dropout(dropout, dtype=policy, name="attention_output_dropout")
+        self.attention_dropout_layer = Dropout(dropout, dtype=policy, name="attention_output_dropout")
         self.attention_layer_norm = keras.layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=policy, name="attention_layer_norm"
         )
-        self.intermediate_dense = keras.layers.Dense(
+        self.intermediate_dense = Dense(
             intermediate_dim,
             activation=get_activation(self.activation),
             kernel_initializer=init,
             dtype=policy,
             name="intermediate_dense",
         )
-        self.output_dense = keras.layers.Dense(
+        self.output_dense = Dense(
             hidden_dim, kernel_initializer=init, dtype=policy, name="output_dense"
         )
-        self.output_dropout = keras.layers.Dropout(dropout, dtype=policy, name="output_dropout")
+        self.output_dropout = Dropout(dropout, dtype=policy, name="output_dropout")
         self.output_layer_norm = keras.layers.LayerNormalization(
             epsilon=layer_norm_epsilon, dtype=policy, name="output_layer_norm"
         )

@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from kbert.layers.activations import canonical_activation, get_activation
+from kbert.layers.dense import Dense
 
 
 def _initializer(stddev):
@@ -31,7 +32,7 @@ class Pooler(keras.layers.Layer):
         super().__init__(**kwargs)
         self.hidden_dim = hidden_dim
         self.initializer_range = initializer_range
-        self.dense = keras.layers.Dense(
+        self.dense = Dense(
             hidden_dim,
             activation="tanh",
             kernel_initializer=_initializer(initializer_range),
@@ -107,7 +108,7 @@ class MaskedLMHead(keras.layers.Layer):
                 f"({token_embedding.input_dim}, {token_embedding.output_dim}) does not "
                 f"match vocabulary_size={vocabulary_size}, hidden_dim={hidden_dim}"
             )
-        self.transform = keras.layers.Dense(
+        self.transform = Dense(
             hidden_dim,
             activation=get_activation(self.activation),
             kernel_initializer=_initializer(initializer_range),
@@ -177,7 +178,7 @@ class NextSentenceHead(keras.layers.Layer):
     def __init__(self, initializer_range=0.02, **kwargs):
         super().__init__(**kwargs)
         self.initializer_range = initializer_range
-        self.dense = keras.layers.Dense(
+        self.dense = Dense(
             2,
             kernel_initializer=_initializer(initializer_range),
             dtype=self.dtype_policy,

@@ -50,6 +50,10 @@ class BertPreprocessor(keras.layers.Layer):
         self.tokenizer = tokenizer
         self.sequence_length = int(sequence_length)
         self.truncate = truncate
+        # No weights to create. Left unbuilt, it would make Keras'
+        # `predict_on_batch` on the task that owns it run a full eager
+        # forward pass before every batch ("build the model first").
+        self.built = True
 
     @staticmethod
     def _texts(values, what):

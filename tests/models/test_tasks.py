@@ -211,3 +211,12 @@ def test_text_embedder_learned_layer_mix(preprocessor, tmp_path):
     harness.check_keras_round_trip(embedder, x, tmp_path)
     with pytest.raises(ValueError, match="output_hidden_states"):
         kbert.BertTextEmbedder(kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)}), layer_mix=True)
+
+
+def test_task_with_preprocessor_is_fully_built(backbone, preprocessor):
+    # Keras' predict_on_batch runs an eager forward pass ("build") before
+    # every batch while any layer is unbuilt; the preprocessor has no weights.
+    model = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor)
+    assert [l.name for l in model._flatten_layers() if not l.built] == []
+    x = preprocessor(["a b c", "d"])
+    np.testing.assert_allclose(model.predict_on_batch(x), model.predict(x, verbose=0), atol=1e-6)

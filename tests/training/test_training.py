@@ -32,6 +32,36 @@ def test_weight_decay_skips_layer_norm_and_bias():
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(gamma), 1.0)
 
 
+def test_adamw_matches_a_numpy_reference():
+    """Clipping, decoupled decay (not on bias), bias-corrected Adam and the
+    schedule, over three steps; on torch this runs Keras' multi-tensor path."""
+    rng = np.random.default_rng(0)
+    lr, total, wd, clip, eps = 0.1, 10, 0.1, 1.0, 1e-6
+    optimizer = create_optimizer(learning_rate=lr, num_train_steps=total, num_warmup_steps=0, weight_decay=wd,
+                                 clipnorm=clip)
+    values = [rng.normal(size=(3, 2)).astype("float32"), rng.normal(size=(2,)).astype("float32")]
+    variables = [keras.Variable(values[0], name="kernel"), keras.Variable(values[1], name="bias")]
+    optimizer.build(variables)
+    m = [np.zeros_like(v) for v in values]
+    v = [np.zeros_like(v) for v in values]
+    for step in range(3):
+        grads = [rng.normal(size=x.shape).astype("float32") for x in values]
+        optimizer.apply([keras.ops.convert_to_tensor(g) for g in grads], variables)
+        norm = np.sqrt(sum((g.astype("float64") ** 2).sum() for g in grads))
+        grads = [g * clip / max(norm, clip) for g in grads]
+        rate = lr * (1 - step / total)
+        t = step + 1
+        for i, g in enumerate(grads):
+            if i == 0:  # kernel: decayed; bias: not
+                values[i] = values[i] - values[i] * wd * rate
+            m[i] = m[i] + (g - m[i]) * 0.1
+            v[i] = v[i] + (g * g - v[i]) * 0.001
+            rate_t = rate * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
+            values[i] = values[i] - rate_t * m[i] / (np.sqrt(v[i]) + eps)
+    for var, expected in zip(variables, values):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(var), expected, rtol=1e-5, atol=1e-6)
+
+
 def _batches(nan_at=None):
     items = []
     for i in range(8):

@@ -1,0 +1,214 @@
+"""Where a pre-training step's GPU time goes: kernel time by category.
+
+    python benchmarks/profile_step.py --backend jax --config base128 --out prof.json
+    python benchmarks/profile_step.py --backend torch --config base128 --out prof.json
+    python benchmarks/profile_step.py --backend hf --config base128 --out prof.json
+
+JAX: `jax.profiler` traces one execution of `--steps` training steps of
+`BertPreTrainer` (the same model, shapes and compile options as
+`gpu_pretrain.py`), parsed with `jax.profiler.ProfileData`. torch (the kbert
+torch backend) and hf (transformers eager): `torch.profiler`. Reports wall
+time per step, GPU busy time per step, and the busy time split by kernel
+category (matrix products, attention, normalisation/elementwise fusions,
+reductions, copies, optimizer ...) with the top kernels, so a claim like
+"bound by X" can be checked.
+"""
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_pretrain  # noqa: E402
+
+CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
+    ("attention", r"fmha|flash|cudnn|attention|sdpa|efficient_attention"),
+    ("matmul", r"gemm|cublas|cutlass|matmul|sm90_xmma|xmma|nvjet|triton_gemm|__dot|dot_general|\bdot\b|wgmma"),
+    ("scatter/gather", r"scatter|gather|index|embedding"),
+    ("optimizer", r"adam|foreach|multi_tensor|optimizer"),
+    ("reduction", r"reduce|reduction|norm|softmax|sum"),
+    ("copy/transpose", r"copy|transpose|memcpy|memset|concat|cat_|slice"),
+    ("rng/dropout", r"rng|random|philox|threefry|dropout|bernoulli"),
+)
+
+
+def category(name):
+    low = name.lower()
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return label
+    return "elementwise/other fusion"
+
+
+def summarize(kernels, wall_s, steps):
+    """kernels: list of (name, seconds) of GPU kernels over `steps` steps."""
+    by_name = collections.Counter()
+    counts = collections.Counter()
+    for name, seconds in kernels:
+        by_name[name] += seconds
+        counts[name] += 1
+    busy = sum(by_name.values())
+    by_cat = collections.Counter()
+    for name, seconds in by_name.items():
+        by_cat[category(name)] += seconds
+    return {
+        "steps": steps,
+        "wall_ms_per_step": 1e3 * wall_s / steps,
+        "gpu_busy_ms_per_step": 1e3 * busy / steps,
+        "gpu_busy_fraction": busy / wall_s if wall_s else None,
+        "kernels_per_step": sum(counts.values()) / steps,
+        "by_category_ms_per_step": {k: 1e3 * v / steps for k, v in by_cat.most_common()},
+        "top_kernels": [
+            {"name": n[:160], "ms_per_step": 1e3 * s / steps, "calls_per_step": counts[n] / steps,
+             "category": category(n)}
+            for n, s in by_name.most_common(40)
+        ],
+    }
+
+
+def profile_jax(args, arch, t, b, p):
+    import jax
+    import keras
+    import numpy as np
+
+    import kbert
+
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    backbone = kbert.BertBackbone.from_architecture(
+        arch, max_sequence_length=512, attention_dropout=args.attention_dropout, dtype="mixed_bfloat16",
+        dropout=args.dropout)
+    model = kbert.BertPreTrainer(backbone)
+    model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100),
+                  steps_per_execution=args.steps, jit_compile=True)
+    x, y = gpu_pretrain.batch(t, b, p)
+    xs = {k: np.concatenate([v] * args.steps) for k, v in x.items()}
+    ys = {k: np.concatenate([v] * args.steps) for k, v in y.items()}
+    for _ in range(2):
+        model.fit(xs, ys, batch_size=b, epochs=1, verbose=0, shuffle=False)
+    trace_dir = os.path.join(args.trace_dir or "/tmp", "jax_trace")
+    jax.profiler.start_trace(trace_dir)
+    start = time.perf_counter()
+    model.fit(xs, ys, batch_size=b, epochs=1, verbose=0, shuffle=False)
+    wall = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs if f.endswith(".xplane.pb")]
+    data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
+    lines = {}
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU:0"):
+            for line in plane.lines:
+                lines[line.name] = [(e.name, e.duration_ns / 1e9) for e in line.events]
+    # Kernels are on the "Stream #..." lines; "XLA Ops" repeats the same time
+    # per HLO op (fusion names), kept as a second view.
+    kernels = [k for name, events in lines.items() if name.startswith("Stream") for k in events]
+    result = summarize(kernels, wall, args.steps)
+    if "XLA Ops" in lines:
+        result["xla_ops"] = summarize(lines["XLA Ops"], wall, args.steps)["top_kernels"]
+    result["gpu_lines"] = {name: len(events) for name, events in lines.items()}
+    return result
+
+
+def profile_torch(args, arch, t, b, p, hf):
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if hf:
+        import transformers
+
+        sizes = __import__("kbert.presets.architectures", fromlist=["x"]).ARCHITECTURES[arch]
+        config = transformers.BertConfig(
+            vocab_size=gpu_pretrain.VOCAB, hidden_size=sizes["hidden_dim"], num_hidden_layers=sizes["num_layers"],
+            num_attention_heads=sizes["num_heads"], intermediate_size=sizes["intermediate_dim"],
+            attn_implementation="sdpa")
+        model = transformers.BertForPreTraining(config).cuda().train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        x, y = gpu_pretrain.batch(t, b, p)
+        labels = torch.full((b, t), -100, dtype=torch.long)
+        labels.scatter_(1, torch.tensor(x["mask_positions"]).long(), torch.tensor(y["mask_ids"]).long())
+        inputs = {"input_ids": torch.tensor(x["token_ids"]).long().cuda(),
+                  "token_type_ids": torch.tensor(x["segment_ids"]).long().cuda(),
+                  "attention_mask": torch.tensor(x["padding_mask"]).long().cuda(), "labels": labels.cuda(),
+                  "next_sentence_label": torch.tensor(y["next_sentence_labels"]).long().cuda()}
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**inputs).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    else:
+        import keras
+
+        import kbert
+
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        backbone = kbert.BertBackbone.from_architecture(
+            arch, max_sequence_length=512, attention_dropout=args.attention_dropout, dtype="mixed_bfloat16",
+            dropout=args.dropout)
+        model = kbert.BertPreTrainer(backbone)
+        model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), jit_compile=False)
+        x, y = gpu_pretrain.batch(t, b, p)
+        xt = {k: torch.tensor(v).cuda() for k, v in x.items()}
+        yt = {k: torch.tensor(v).cuda() for k, v in y.items()}
+        model.train_on_batch(xt, yt)
+
+        def step():
+            model.train_on_batch(xt, yt, return_dict=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [(e.name, e.device_time_total / 1e6) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    result = summarize(kernels, wall, args.steps)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    result["cpu_ops_table"] = table
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=["jax", "torch", "hf"], required=True)
+    parser.add_argument("--config", default="base128", choices=list(gpu_pretrain.CONFIGS))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    # hf imports kbert only for the architecture sizes; torch keeps it off TF.
+    os.environ["KERAS_BACKEND"] = "torch" if args.backend == "hf" else args.backend
+    arch, t, b, p = gpu_pretrain.CONFIGS[args.config]
+    if args.backend == "jax":
+        result = profile_jax(args, arch, t, b, p)
+    else:
+        result = profile_torch(args, arch, t, b, p, hf=args.backend == "hf")
+    flops = gpu_pretrain.train_flops_per_sequence(arch, t, p)
+    result.update(config=args.config, backend=args.backend, dropout=args.dropout,
+                  attention_dropout=args.attention_dropout,
+                  seq_per_s=b / (result["wall_ms_per_step"] / 1e3),
+                  model_tflops=flops * b / (result["wall_ms_per_step"] / 1e3) / 1e12)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{args.backend} {args.config}: {result['wall_ms_per_step']:.1f} ms/step wall, "
+          f"{result['gpu_busy_ms_per_step']:.1f} ms GPU busy")
+    for k, v in result["by_category_ms_per_step"].items():
+        print(f"  {k:28s} {v:7.2f} ms")
+    for k in result["top_kernels"][:15]:
+        print(f"  {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:5.1f} {k['category']:14s} {k['name'][:90]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The one place with backend-specific code: fused attention and fused dense.
+
+`fused_dense(x, kernel, bias)` computes x @ kernel + bias.
+- torch: one `torch.nn.functional.linear` call, i.e. a GEMM with the bias
+  added in its epilogue (`addmm`), as transformers' `nn.Linear` does. The
+  generic `matmul` then `add` costs a second pass over the output, and
+  Keras' eager torch backend cannot fuse it.
+- everything else: `keras.ops.matmul` + `keras.ops.add`; XLA fuses the add.
+`fused_dense_path()` says which one is used.
+
+`fused_dropout(x, rate, seed_generator)` is inverted dropout.
+- JAX: the keep mask comes from XLA's RngBitGenerator (Philox on GPU)
+  through a `rbg` key made from the layer's Keras seed. Keras' own dropout
+  draws threefry bits, 20 rounds of 32-bit arithmetic per pair of words,
+  which in a BERT-base step cost about as much as the two dropouts' memory
+  traffic several times over (see benchmarks/results/gpu_profile_*.json).
+- everything else: `keras.random.dropout`.
+`fused_dropout_path()` says which one is used.
+
+`fused_attention` computes softmax(QK^T * scale) V over the non-padding keys.
+- JAX on GPU: cuDNN flash attention through `jax.nn.dot_product_attention`
+  with `key_value_seq_lengths` (the form cuDNN accepts for padding: a mask
+  tensor is what made keras-hub's cuDNN call fail). That needs right padding
+  (1s then 0s), which every kbert pipeline produces; a batch whose mask is
+  not of that form is sent, inside the same compiled step, to the XLA path.
+  Under a `keras.distribution` (data parallel) the XLA path is used; so it
+  is for float32 (cuDNN flash attention takes only 16-bit and fp8 inputs).
+- torch: `torch.nn.functional.scaled_dot_product_attention` on (B, N, T, D)
+  views with a boolean mask. `keras.ops.dot_product_attention` reaches the
+  same kernel but first copies Q, K and V to contiguous tensors and turns
+  the mask into a float bias: three copies per layer for nothing.
+- everything else: `keras.ops.dot_product_attention` with a boolean mask
+  (XLA or the TensorFlow kernel).
+`fused_attention_path()` says which one is used.
+"""
+
+import keras
+from keras import ops
+
+
+def fused_dense_path():
+    """Which implementation `fused_dense` uses on this backend."""
+    return "torch-linear" if keras.backend.backend() == "torch" else "keras-matmul-add"
+
+
+def fused_dense(inputs, kernel, bias=None):
+    """inputs (..., I), kernel (I, O), bias (O,) or None -> (..., O)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        kernel = ops.convert_to_tensor(kernel)
+        bias = None if bias is None else ops.convert_to_tensor(bias)
+        # linear(x, W, b) = x @ W^T + b; W^T of a transposed view is a
+        # stride change, not a copy.
+        return torch.nn.functional.linear(ops.convert_to_tensor(inputs), kernel.t(), bias)
+    x = ops.matmul(inputs, kernel)
+    return x if bias is None else ops.add(x, bias)
+
+
+def fused_dropout_path():
+    """Which random bit generator `fused_dropout` uses on this backend."""
+    return "jax-rbg" if keras.backend.backend() == "jax" else f"keras-{keras.backend.backend()}"
+
+
+def fused_dropout(inputs, rate, seed_generator):
+    """Zeroes each element with probability `rate`, scales the rest by 1/(1-rate)."""
+    if keras.backend.backend() != "jax":
+        return keras.random.dropout(inputs, rate, seed=seed_generator)
+    import jax
+    import jax.numpy as jnp
+
+    if rate >= 1.0:  # 1/(1-rate) would put inf (and NaN gradients) in the dropped branch
+        return jnp.zeros_like(inputs)
+    seed = jnp.asarray(seed_generator.next(), "uint32")  # (2,), advances the generator
+    key = jax.random.wrap_key_data(jnp.concatenate([seed, seed ^ jnp.uint32(0x9E3779B9)]), impl="rbg")
+    bits = jax.random.bits(key, inputs.shape, jnp.uint32)
+    # keep iff bits < (1 - rate) * 2^32, exact to 2^-32.
+    keep = bits < jnp.uint32(min(int(round((1.0 - rate) * 2**32)), 2**32 - 1))
+    return jnp.where(keep, inputs / jnp.asarray(1.0 - rate, inputs.dtype), jnp.zeros_like(inputs))
+
+
+def _jax_gpu():
+    if keras.backend.backend() != "jax" or keras.distribution.distribution() is not None:
+        # Under a Keras distribution, XLA may shard the sliced Q/K/V apart,
+        # which jax's cuDNN partitioner rejects; the XLA path shards freely.
+        return False
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
+
+
+def fused_attention_path(dtype="bfloat16"):
+    """Which kernel `fused_attention` uses for inputs of `dtype`."""
+    cudnn = _jax_gpu() and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+    if cudnn:
+        return "jax-cudnn-flash"
+    return "torch-sdpa" if keras.backend.backend() == "torch" else f"keras-{keras.backend.backend()}"
+
+
+def fused_attention(query, key, value, padding_mask, scale):
+    """query/key/value (B, T, N, D); padding_mask (B, S) -> (B, T, N, D)."""
+    keep = ops.cast(padding_mask, "bool")
+    if _jax_gpu() and keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16"):
+        return _jax_cudnn(query, key, value, keep, scale)
+    # A row with no real token would softmax over nothing (NaN); let it
+    # attend everywhere instead. Its outputs are padding and unused.
+    empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
+    keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
+    if keras.backend.backend() == "torch":
+        return _torch_sdpa(query, key, value, keep, scale)
+    return ops.dot_product_attention(query, key, value, mask=keep, scale=scale)
+
+
+def _torch_sdpa(query, key, value, keep, scale):
+    import torch
+
+    q, k, v = (ops.convert_to_tensor(t).transpose(1, 2) for t in (query, key, value))  # (B, N, T, D)
+    context = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+    return context.transpose(1, 2)  # (B, T, N, D)
+
+
+def _jax_cudnn(query, key, value, keep, scale):
+    import jax
+    import jax.numpy as jnp
+
+    length = keep.shape[1]
+    lengths = jnp.sum(keep, axis=1, dtype=jnp.int32)  # (B,)
+    right_padded = jnp.all(keep == (jnp.arange(length)[None, :] < lengths[:, None]))
+    lengths = jnp.where(lengths == 0, length, lengths)  # all-padding rows: finite
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
+        )
+
+    def xla(q, k, v):
+        mask = jnp.logical_or(keep, ~jnp.any(keep, axis=1, keepdims=True))[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation="xla")
+
+    return jax.lax.cond(right_padded, cudnn, xla, query, key, value)

@@ -119,22 +119,43 @@ def _torch_sdpa(query, key, value, keep, scale):
     return context.transpose(1, 2)  # (B, T, N, D)
 
 
-def _jax_cudnn(query, key, value, keep, scale):
+def _jax_cudnn(query, key, value, keep, scale, implementation="cudnn"):
     import jax
     import jax.numpy as jnp
 
     length = keep.shape[1]
     lengths = jnp.sum(keep, axis=1, dtype=jnp.int32)  # (B,)
-    right_padded = jnp.all(keep == (jnp.arange(length)[None, :] < lengths[:, None]))
-    lengths = jnp.where(lengths == 0, length, lengths)  # all-padding rows: finite
+    lengths = jnp.where(lengths == 0, length, lengths)  # all-padding rows: attend everywhere
+    # cuDNN takes padding as per-row key counts: the first `lengths` keys are
+    # real. Attention is invariant to the order of the keys, so moving the
+    # real keys (and their values) to the front makes any mask that form;
+    # for right-padded rows the order is the identity. A lax.cond between
+    # this and a masked XLA path cost more: autodiff makes each branch
+    # return the other's residuals, so every layer materialised zero
+    # (B, N, T, S) tensors, and the cond boundary forced layout copies.
+    order = jnp.argsort(~keep, axis=1, stable=True).astype(jnp.int32)  # (B, S), real keys first
+    inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
+    key, value = _permute_keys(key, order, inverse), _permute_keys(value, order, inverse)
+    return jax.nn.dot_product_attention(
+        query, key, value, scale=scale, key_value_seq_lengths=lengths, implementation=implementation
+    )
 
-    def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, key_value_seq_lengths=lengths, implementation="cudnn"
-        )
 
-    def xla(q, k, v):
-        mask = jnp.logical_or(keep, ~jnp.any(keep, axis=1, keepdims=True))[:, None, None, :]
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, mask=mask, implementation="xla")
+def _permute_keys(x, order, inverse):
+    """x (B, S, N, D) reordered along S; its gradient is the inverse gather
+    (autodiff of a gather would scatter-add)."""
+    import jax
+    import jax.numpy as jnp
 
-    return jax.lax.cond(right_padded, cudnn, xla, query, key, value)
+    @jax.custom_vjp
+    def permute(x):
+        return jnp.take_along_axis(x, order[:, :, None, None], axis=1)
+
+    def forward(x):
+        return permute(x), None
+
+    def backward(_, grad):
+        return (jnp.take_along_axis(grad, inverse[:, :, None, None], axis=1),)
+
+    permute.defvjp(forward, backward)
+    return permute(x)

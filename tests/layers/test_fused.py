@@ -64,3 +64,32 @@ def test_paths_are_reported():
     assert fused.fused_dense_path() == ("torch-linear" if backend == "torch" else "keras-matmul-add")
     assert fused.fused_dropout_path() == ("jax-rbg" if backend == "jax" else f"keras-{backend}")
     assert fused.fused_attention_path("float32") == ("torch-sdpa" if backend == "torch" else f"keras-{backend}")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the cuDNN key-length path is JAX's")
+def test_key_reordering_makes_any_mask_exact_for_key_lengths():
+    """The JAX GPU path moves real keys to the front so cuDNN's per-row key
+    counts express any padding mask; checked here with XLA's kernel, values
+    and gradients, on left-, right-, randomly- and fully-padded rows."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(4, 16, 2, 8)).astype("float32")) for _ in range(3))
+    keep = rng.random((4, 16)) < 0.6
+    keep[1] = False
+    keep[2] = np.arange(16) >= 5
+    keep[3] = np.arange(16) < 9
+    keep = jnp.asarray(keep)
+
+    def reference(q, k, v):
+        mask = jnp.logical_or(keep, ~jnp.any(keep, axis=1, keepdims=True))[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, scale=0.3, mask=mask)
+
+    def reordered(q, k, v):
+        return fused._jax_cudnn(q, k, v, keep, 0.3, implementation="xla")
+
+    np.testing.assert_allclose(reordered(q, k, v), reference(q, k, v), atol=1e-6)
+    loss = lambda f: lambda *a: (f(*a) ** 2).sum()  # noqa: E731
+    for a, b in zip(jax.grad(loss(reordered), (0, 1, 2))(q, k, v), jax.grad(loss(reference), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -61,7 +61,7 @@ def test_dropout_extreme_rates(rate):
 
 def test_paths_are_reported():
     backend = keras.backend.backend()
-    assert fused.fused_dense_path() == ("torch-linear" if backend == "torch" else "keras-matmul-add")
+    assert fused.fused_dense_path() == {"torch": "torch-linear", "jax": "jax-2d-matmul-add"}.get(backend, "keras-matmul-add")
     assert fused.fused_dropout_path() == ("jax-rbg" if backend == "jax" else f"keras-{backend}")
     assert fused.fused_attention_path("float32") == ("torch-sdpa" if backend == "torch" else f"keras-{backend}")
 

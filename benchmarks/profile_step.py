@@ -113,7 +113,6 @@ def profile_jax(args, arch, t, b, p):
 
 
 def profile_torch(args, arch, t, b, p, hf):
-    import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -159,11 +158,31 @@ def profile_torch(args, arch, t, b, p, hf):
         model.train_on_batch(xt, yt)
 
         def step():
-            model.train_on_batch(xt, yt, return_dict=True)
+            if args.sync_debug:  # what fit runs per batch, without the logs' conversion
+                model.train_step((xt, yt))
+            else:
+                model.train_on_batch(xt, yt, return_dict=True)
 
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if args.sync_debug:  # where the host waits for the GPU, by Python stack
+        import traceback
+        import warnings
+
+        sites = collections.Counter()
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
+            sites[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames[-6:]))] += 1
+
+        warnings.showwarning = record
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        step()
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        return {"syncs_per_step": sum(sites.values()), "sync_sites": sites.most_common(30)}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -186,6 +205,7 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--sync-debug", action="store_true", help="torch: list the host-device syncs of one step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     # hf imports kbert only for the architecture sizes; torch keeps it off TF.
@@ -195,6 +215,11 @@ def main():
         result = profile_jax(args, arch, t, b, p)
     else:
         result = profile_torch(args, arch, t, b, p, hf=args.backend == "hf")
+    if args.sync_debug:
+        print(json.dumps(result, indent=1))
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        return
     flops = gpu_pretrain.train_flops_per_sequence(arch, t, p)
     result.update(config=args.config, backend=args.backend, dropout=args.dropout,
                   attention_dropout=args.attention_dropout,

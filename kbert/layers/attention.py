@@ -99,7 +99,11 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     def _explicit_attention(self, query, key, value, keep, scale, training):
         scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
         scores = ops.cast(scores, "float32") * scale
-        scores = ops.where(keep, scores, ops.full_like(scores, -1e30))
+        # Masked keys get -1e30 (exp underflows to exactly 0). An additive
+        # bias rather than where(keep, scores, full_like(-1e30)): the filled
+        # constant is a host-to-device copy per layer on torch, which
+        # synchronises the stream.
+        scores = scores + (ops.cast(keep, "float32") - 1.0) * 1e30
         probs = ops.cast(ops.softmax(scores, axis=-1), self.compute_dtype)
         probs = self.probs_dropout(probs, training=training)
         return ops.einsum("bnts,bsnd->btnd", probs, value)  # (B, T, N, D)

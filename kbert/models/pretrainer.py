@@ -94,13 +94,18 @@ class _PreTrainingTask(Task):
         correct = ops.cast(
             ops.equal(ops.argmax(y_pred["mlm_logits"], axis=-1), ops.cast(y["mask_ids"], "int32")), "float32"
         )
-        self.mlm_loss_tracker.update_state(global_mlm)
+        # Metric weights are passed as device tensors: Keras turns a missing
+        # weight into a Python count, whose host-to-device copy synchronises
+        # the torch backend's stream (the step then waits for the GPU).
+        self.mlm_loss_tracker.update_state(global_mlm, sample_weight=ops.ones_like(global_mlm))
         self.mlm_accuracy.update_state(correct, sample_weight=weights)
         total = mlm
         if self.with_nsp:
             nsp = next_sentence_loss(y["next_sentence_labels"], y_pred["nsp_logits"]) / replicas
-            self.nsp_loss_tracker.update_state(replica_sum(nsp)[0] if replicas > 1 else nsp)
-            self.nsp_accuracy.update_state(y["next_sentence_labels"], y_pred["nsp_logits"])
+            nsp_total = replica_sum(nsp)[0] if replicas > 1 else nsp
+            self.nsp_loss_tracker.update_state(nsp_total, sample_weight=ops.ones_like(nsp_total))
+            labels = y["next_sentence_labels"]
+            self.nsp_accuracy.update_state(labels, y_pred["nsp_logits"], sample_weight=ops.ones_like(labels, "float32"))
             total = total + nsp
         for extra in self.losses:
             total = total + ops.cast(extra, "float32")

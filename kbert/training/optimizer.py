@@ -32,7 +32,9 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def __call__(self, step):
         step = ops.cast(step, "float32")
-        decay = self.peak_learning_rate * ops.maximum(0.0, 1.0 - step / self.total_steps)
+        # relu, not maximum(0.0, .): a Python constant becomes a host-to-device
+        # copy on torch, which synchronises the stream every step.
+        decay = self.peak_learning_rate * ops.relu(1.0 - step / self.total_steps)
         if self.warmup_steps <= 0:
             return decay
         warmup = self.peak_learning_rate * step / self.warmup_steps
@@ -57,15 +59,31 @@ class _ClipAfterAllReduce:
     """
 
     def _clip_gradients(self, grads):
-        if self.global_clipnorm and keras.backend.backend() == "tensorflow":
+        if not self.global_clipnorm:
+            return super()._clip_gradients(grads)
+        if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
             context = tf.distribute.get_replica_context()
             if context is not None and context.num_replicas_in_sync > 1:
                 replicas = context.num_replicas_in_sync
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
-                return [g / replicas for g in super()._clip_gradients(summed)]
-        return super()._clip_gradients(grads)
+                return [g / replicas for g in _clip_by_global_norm(summed, self.global_clipnorm)]
+        return _clip_by_global_norm(grads, self.global_clipnorm)
+
+
+def _clip_by_global_norm(grads, clip):
+    """g * clip / max(norm, clip), NaN for a non-finite norm (as Keras).
+
+    Keras' own version turns Python constants into tensors, a host-to-device
+    copy each that synchronises the torch backend's stream every step;
+    here constants only meet tensors through arithmetic operators.
+    """
+    present = [g for g in grads if g is not None]
+    norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
+    scale = clip / (ops.relu(norm - clip) + clip)  # = clip / max(norm, clip)
+    scale = scale + (norm - norm)  # inf - inf and NaN - NaN are NaN: poison a non-finite norm
+    return [None if g is None else g * ops.cast(scale, g.dtype) for g in grads]
 
 
 def _adamw_base():

@@ -255,3 +255,39 @@ def test_two_worker_processes_equal_single_device(clipnorm, tmp_path):
     _, single = _train("none", str(tmp_path / "s.npz"), {"KERAS_BACKEND": "tensorflow"}, clipnorm)
     for a, b in zip(distributed, single):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="host-to-device copies of constants are torch's")
+def test_torch_training_step_adds_no_host_device_syncs(monkeypatch):
+    """Every Python constant that Keras' torch backend turns into a tensor is
+    a host-to-device copy, which synchronises the CUDA stream. In a kbert
+    training step (model, losses, metrics, schedule, clipping) none may come
+    from kbert's own code; the few left are inside Keras' trainer/optimizer."""
+    import traceback
+
+    import torch
+
+    import keras.src.backend.torch.core as core
+    import keras.src.backend.torch.numpy as torch_numpy
+
+    from tests.models.test_pretrainer import batch
+
+    model = kbert.BertPreTrainer(kbert.BertBackbone(**{**TINY, "attention_dropout": 0.1}))
+    model.compile(optimizer=create_optimizer(1e-3, 100, 10))
+    x, y = batch(seed=0)
+    data = ({k: torch.as_tensor(v) for k, v in x.items()}, {k: torch.as_tensor(v) for k, v in y.items()})
+    model.train_on_batch(*data)
+    callers = []
+    original = core.convert_to_tensor
+
+    def recording(value, *args, **kwargs):
+        if isinstance(value, (bool, int, float)):
+            ours = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}kbert{os.sep}" in f.filename]
+            callers.append(f"{os.path.basename(ours[-1].filename)}:{ours[-1].name}" if ours else "outside kbert")
+        return original(value, *args, **kwargs)
+
+    monkeypatch.setattr(core, "convert_to_tensor", recording)
+    monkeypatch.setattr(torch_numpy, "convert_to_tensor", recording)
+    model.train_step(data)
+    assert callers, "the recorder saw no conversion at all: the check would be vacuous"
+    assert set(callers) <= {"task.py:train_step"}, callers

@@ -4,7 +4,7 @@ fused operation where the backend has one (see `kbert.layers.fused`)."""
 import keras
 from keras import ops
 
-from kbert.layers.fused import fused_dense
+from kbert.layers.fused import PackedWeightCache, fused_dense
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -22,12 +22,17 @@ class Dense(keras.layers.Dense):
     (2, 3, 4)
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Not a Keras-tracked attribute: a cache, never saved.
+        object.__setattr__(self, "_packed_weight", PackedWeightCache())
+
     def call(self, inputs, training=None):
         if self.quantization_mode is not None:
             return super().call(inputs, training=training)
         kernel = ops.cast(self.kernel, self.compute_dtype)
         bias = None if self.bias is None else ops.cast(self.bias, self.compute_dtype)
-        x = fused_dense(ops.cast(inputs, self.compute_dtype), kernel, bias)
+        x = fused_dense(ops.cast(inputs, self.compute_dtype), kernel, bias, cache=self._packed_weight)
         if self.activation is not None:
             x = self.activation(x)
         return x

@@ -61,7 +61,7 @@ def test_dropout_extreme_rates(rate):
 
 def test_paths_are_reported():
     backend = keras.backend.backend()
-    assert fused.fused_dense_path() == {"torch": "torch-linear", "jax": "jax-2d-matmul-add"}.get(backend, "keras-matmul-add")
+    assert fused.fused_dense_path() == ("torch-linear" if backend == "torch" else "keras-matmul-add")
     assert fused.fused_dropout_path() == ("jax-rbg" if backend == "jax" else f"keras-{backend}")
     assert fused.fused_attention_path("float32") == ("torch-sdpa" if backend == "torch" else f"keras-{backend}")
 
@@ -93,3 +93,30 @@ def test_key_reordering_makes_any_mask_exact_for_key_lengths():
     loss = lambda f: lambda *a: (f(*a) ** 2).sum()  # noqa: E731
     for a, b in zip(jax.grad(loss(reordered), (0, 1, 2))(q, k, v), jax.grad(loss(reference), (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="the oneDNN path is torch's CPU inference")
+def test_torch_cpu_inference_path_is_exact_and_follows_weight_updates():
+    import torch
+
+    rng = np.random.default_rng(2)
+    x = torch.as_tensor(rng.normal(size=(3, 7, 16)).astype("float32"))
+    layer = Dense(12, activation="gelu")
+    layer.build(x.shape)
+    kernel, bias = layer.get_weights()
+    expected = lambda k, b: keras.activations.gelu(x @ torch.as_tensor(k) + torch.as_tensor(b), approximate=False)  # noqa: E731
+    with torch.no_grad():
+        assert fused.fused_dense_path(x) == "torch-onednn-packed"
+        np.testing.assert_allclose(layer(x).numpy(), expected(kernel, bias).numpy(), atol=1e-5)
+        layer.set_weights([kernel * 2, bias + 1])  # in-place update: the reordered weight must follow
+        np.testing.assert_allclose(layer(x).numpy(), expected(kernel * 2, bias + 1).numpy(), atol=1e-5)
+        layer.kernel.assign(kernel * 3)
+        np.testing.assert_allclose(layer(x).numpy(), expected(kernel * 3, bias + 1).numpy(), atol=1e-5)
+        unbiased = Dense(12, use_bias=False)
+        unbiased.build(x.shape)
+        np.testing.assert_allclose(unbiased(x).numpy(), (x @ torch.as_tensor(unbiased.get_weights()[0])).numpy(),
+                                   atol=1e-5)
+    assert fused.fused_dense_path(x) == "torch-linear"  # autograd on: the differentiable path
+    out = layer(x)
+    out.sum().backward()
+    assert layer.kernel.value.grad is not None

@@ -33,6 +33,8 @@ class BertClassifier(Task):
     >>> model.compile()
     """
 
+    bucket_raw_text = True  # one output per example: predict raw text in length buckets
+
     def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs):
         if not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")

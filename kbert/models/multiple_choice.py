@@ -59,6 +59,8 @@ class BertMultipleChoice(Task):
     >>> mc = BertMultipleChoice(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_choices=4)
     """
 
+    bucket_raw_text = True  # one output per example: predict raw text in length buckets
+
     def __init__(self, backbone, num_choices, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs):
         if not isinstance(num_choices, int) or num_choices < 2:
             raise ValueError(f"num_choices must be an int ≥ 2, got {num_choices!r}")

@@ -206,9 +206,42 @@ class Task(PresetMixin, keras.Model):
         x, y = self._convert(x, y)
         return super().evaluate(x, y, *args, **kwargs)
 
-    def predict(self, x, *args, **kwargs):
+    # Tasks whose outputs have no token axis predict raw text in length
+    # buckets (see `_predict_in_buckets`); per-token outputs keep one length.
+    bucket_raw_text = False
+    BUCKET = 16
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Keras `predict`; raw text is tokenized first.
+
+        On raw text, tasks with one output per example (classifier,
+        embedder, multiple choice) run each batch cut to its longest
+        sequence rounded up to a multiple of 16, instead of
+        `preprocessor.sequence_length`: the same numbers (padding is
+        masked), several times faster on short texts, and a compiled
+        backend compiles once per bucket, not once per length.
+        """
+        raw = self.preprocessor is not None and not isinstance(x, dict) and not _is_tf_dataset(x)
         x, _ = self._convert(x, None, with_targets=False)
-        return super().predict(x, *args, **kwargs)
+        if raw and self.bucket_raw_text and isinstance(x, dict) and steps is None and callbacks is None:
+            return self._predict_in_buckets(x, batch_size or 32)
+        return super().predict(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+
+    def _predict_in_buckets(self, x, batch_size):
+        import numpy as np
+
+        full = x["padding_mask"].shape[-1]
+        outputs = []
+        for start in range(0, len(x["padding_mask"]), batch_size):
+            batch = {name: value[start : start + batch_size] for name, value in x.items()}
+            # Preprocessor output is right-padded: the columns past the
+            # longest sequence are padding in every row.
+            longest = int(np.max(np.sum(batch["padding_mask"], axis=-1), initial=1))
+            length = min(full, -(-longest // self.BUCKET) * self.BUCKET)
+            outputs.append(self.predict_on_batch({name: value[..., :length] for name, value in batch.items()}))
+        if not outputs:
+            return super().predict(x, batch_size=batch_size, verbose=0)
+        return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
     def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None, **kwargs):
         """Fine-tuning defaults: AdamW (weight decay 0.01, none on LayerNorm

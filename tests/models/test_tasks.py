@@ -220,3 +220,21 @@ def test_task_with_preprocessor_is_fully_built(backbone, preprocessor):
     assert [l.name for l in model._flatten_layers() if not l.built] == []
     x = preprocessor(["a b c", "d"])
     np.testing.assert_allclose(model.predict_on_batch(x), model.predict(x, verbose=0), atol=1e-6)
+
+
+def test_raw_text_predict_runs_in_length_buckets_with_the_same_results():
+    backbone = kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB), "max_sequence_length": 48})
+    preprocessor = kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), sequence_length=40)
+    texts = ["the movie was good"] * 5 + [" ".join(["good"] * 20)] + ["bad"] * 4
+    classifier = kbert.BertClassifier(backbone, num_classes=3, preprocessor=preprocessor)
+    embedder = kbert.BertTextEmbedder(backbone, preprocessor=preprocessor)
+    choices = kbert.BertMultipleChoice(backbone, num_choices=2, preprocessor=preprocessor)
+    lengths = []
+    for model, inputs in ((classifier, texts), (embedder, texts), (choices, (texts[:6], [["good", "bad"]] * 6))):
+        full = keras.Model.predict(model, model.preprocess_samples(inputs), batch_size=4, verbose=0)
+        original = model.predict_on_batch
+        model.predict_on_batch = lambda x, original=original: lengths.append(x["token_ids"].shape[-1]) or original(x)
+        bucketed = model.predict(inputs, batch_size=4)
+        np.testing.assert_allclose(bucketed, full, atol=1e-5)
+    # batches of 4: lengths 6 -> 16, the 22-token text -> 32, short texts -> 16
+    assert lengths[:3] == [16, 32, 16] and set(lengths) <= {16, 32}

@@ -136,7 +136,9 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
     return result
 
 
-def run_hf(arch, t, b, p, compile_, steps):
+def hf_train_step(arch, t, b, p):
+    """transformers BertForPreTraining on the GPU: one AdamW training step
+    (bf16 autocast, clipping 1.0) on the synthetic batch, as a function."""
     import torch
     import transformers
 
@@ -170,6 +172,13 @@ def run_hf(arch, t, b, p, compile_, steps):
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    return step
+
+
+def run_hf(arch, t, b, p, compile_, steps):
+    import torch
+
+    step = hf_train_step(arch, t, b, p)
     if compile_:
         step = torch.compile(step)
     for _ in range(3):

@@ -117,30 +117,7 @@ def profile_torch(args, arch, t, b, p, hf):
     from torch.profiler import ProfilerActivity, profile
 
     if hf:
-        import transformers
-
-        sizes = __import__("kbert.presets.architectures", fromlist=["x"]).ARCHITECTURES[arch]
-        config = transformers.BertConfig(
-            vocab_size=gpu_pretrain.VOCAB, hidden_size=sizes["hidden_dim"], num_hidden_layers=sizes["num_layers"],
-            num_attention_heads=sizes["num_heads"], intermediate_size=sizes["intermediate_dim"],
-            attn_implementation="sdpa")
-        model = transformers.BertForPreTraining(config).cuda().train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-        x, y = gpu_pretrain.batch(t, b, p)
-        labels = torch.full((b, t), -100, dtype=torch.long)
-        labels.scatter_(1, torch.tensor(x["mask_positions"]).long(), torch.tensor(y["mask_ids"]).long())
-        inputs = {"input_ids": torch.tensor(x["token_ids"]).long().cuda(),
-                  "token_type_ids": torch.tensor(x["segment_ids"]).long().cuda(),
-                  "attention_mask": torch.tensor(x["padding_mask"]).long().cuda(), "labels": labels.cuda(),
-                  "next_sentence_label": torch.tensor(y["next_sentence_labels"]).long().cuda()}
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(**inputs).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        step = gpu_pretrain.hf_train_step(arch, t, b, p)
     else:
         import keras
 

@@ -170,10 +170,8 @@ def is_kbert_preset(directory):
 def load_backbone(directory, load_weights=True, **overrides):
     """BertBackbone from a kbert preset, a Hugging Face BERT directory, an
     original TF checkpoint directory or a keras-hub BERT preset."""
-    from kbert.convert import huggingface
+    from kbert.convert import huggingface, keras_hub
     from kbert.models.backbone import BertBackbone
-
-    from kbert.convert import keras_hub
 
     if keras_hub.is_keras_hub_dir(directory):
         return keras_hub.load_backbone(directory, load_weights=load_weights, **overrides)

@@ -20,20 +20,26 @@ def load_example():
     return module
 
 
-@pytest.mark.large
-def test_pretrain_runs_resumes_and_saves(tmp_path):
-    example = load_example()
+def tiny_run_args(tmp_path, steps):
+    """A 400-line corpus and a one-layer model at sequence length 32, writing
+    to tmp_path/run, checkpointing every 2 steps."""
     with open(os.path.join(ROOT, "examples", "data", "wikitext-2-valid.tokens.txt"), encoding="utf-8") as f:
         lines = f.readlines()[:400]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(lines), encoding="utf-8")
-    args = [
+    return [
         "--corpus", str(corpus), "--output-dir", str(tmp_path / "run"), "--vocab-size", "400",
         "--num-layers", "1", "--hidden-dim", "16", "--num-heads", "2", "--intermediate-dim", "32",
         "--max-seq-length", "32", "--max-predictions-per-seq", "5", "--batch-size", "4",
-        "--steps", "4", "--steps-per-checkpoint", "2", "--eval-batches", "2", "--dupe-factor", "1",
+        "--steps", str(steps), "--steps-per-checkpoint", "2", "--eval-batches", "2", "--dupe-factor", "1",
         "--eval-fraction", "0.3", "--verbose", "0",
     ]
+
+
+@pytest.mark.large
+def test_pretrain_runs_resumes_and_saves(tmp_path):
+    example = load_example()
+    args = tiny_run_args(tmp_path, steps=4)
     results = example.main(args)
     assert 0.0 <= results["mlm_accuracy"] <= 1.0 and 0.0 <= results["nsp_accuracy"] <= 1.0
     run = tmp_path / "run"
@@ -65,17 +71,7 @@ def test_pretrain_two_phases_resumes_in_phase_two(tmp_path):
     """Sequence length 32 then 64 with the same model and one optimizer
     schedule; a run stopped during phase 2 continues there."""
     example = load_example()
-    with open(os.path.join(ROOT, "examples", "data", "wikitext-2-valid.tokens.txt"), encoding="utf-8") as f:
-        lines = f.readlines()[:400]
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(lines), encoding="utf-8")
-    args = [
-        "--corpus", str(corpus), "--output-dir", str(tmp_path / "run"), "--vocab-size", "400",
-        "--num-layers", "1", "--hidden-dim", "16", "--num-heads", "2", "--intermediate-dim", "32",
-        "--max-seq-length", "32", "--max-position", "32", "--max-predictions-per-seq", "5", "--batch-size", "4",
-        "--steps", "2", "--steps-per-checkpoint", "2", "--eval-batches", "2", "--dupe-factor", "1",
-        "--eval-fraction", "0.3", "--verbose", "0", "--phase2-seq-length", "64",
-    ]
+    args = tiny_run_args(tmp_path, steps=2) + ["--max-position", "32", "--phase2-seq-length", "64"]
     example.main(args + ["--phase2-steps", "2"])  # phase 1, then 2 of phase 2's steps
     run = tmp_path / "run"
     assert sorted(os.listdir(run / "checkpoints" / "phase2")) == ["ckpt-000000002"]

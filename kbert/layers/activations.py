@@ -7,15 +7,16 @@ agreement with the reference, so the name is part of the model config.
 
 import keras
 
+from kbert.layers.fused import fused_gelu
 from kbert.utils.naming import closest
 
 
 def _gelu_exact(x):
-    return keras.activations.gelu(x, approximate=False)
+    return fused_gelu(x, approximate=False)
 
 
 def _gelu_tanh(x):
-    return keras.activations.gelu(x, approximate=True)
+    return fused_gelu(x, approximate=True)
 
 
 _ACTIVATIONS = {

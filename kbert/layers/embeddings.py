@@ -7,6 +7,7 @@ import keras
 from keras import ops
 
 from kbert.layers.dropout import Dropout
+from kbert.layers.fused import fused_embedding_sum
 from kbert.utils import checks
 
 
@@ -127,8 +128,8 @@ class BertEmbeddings(keras.layers.Layer):
             (0, 0),
             (length, self.hidden_dim),
         )  # (T, H)
-        x = self.token_embedding(token_ids) + self.segment_embedding(segment_ids)
-        x = x + positions[None]  # (B, T, H)
+        segments = ops.cast(self.segment_embedding.embeddings, self.compute_dtype)
+        x = fused_embedding_sum(self.token_embedding(token_ids), positions, segments, segment_ids)  # (B, T, H)
         x = self.layer_norm(x)
         return self.dropout_layer(x, training=training)
 

@@ -95,6 +95,65 @@ def test_key_reordering_makes_any_mask_exact_for_key_lengths():
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_values(approximate):
+    x = np.linspace(-6, 6, 101).astype("float32")
+    ours = keras.ops.convert_to_numpy(fused.fused_gelu(keras.ops.convert_to_tensor(x), approximate))
+    ref = keras.ops.convert_to_numpy(keras.activations.gelu(keras.ops.convert_to_tensor(x), approximate=approximate))
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the custom gradient is JAX's")
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_gradient_is_autodiff_of_gelu(approximate):
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.linspace(-8, 8, 1001, dtype=jnp.float32)
+    weights = jnp.cos(x)
+    got = jax.jit(jax.grad(lambda v: (fused.fused_gelu(v, approximate) * weights).sum()))(x)
+    want = jax.grad(lambda v: (jax.nn.gelu(v, approximate=approximate) * weights).sum())(x)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    x16 = x.astype(jnp.bfloat16)  # bfloat16 in, bfloat16 gradient out, computed in float32
+    got16 = jax.grad(lambda v: (fused.fused_gelu(v, approximate).astype(jnp.float32) * weights).sum())(x16)
+    assert got16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got16, "float32"), jax.grad(
+        lambda v: (jax.nn.gelu(v, approximate=approximate) * weights).sum())(x16.astype(jnp.float32)), atol=1e-2)
+
+
+def _embedding_inputs():
+    rng = np.random.default_rng(3)
+    tokens, positions, segments = (rng.normal(size=s).astype("float32") for s in ((4, 6, 8), (6, 8), (3, 8)))
+    return tokens, positions, segments, rng.integers(0, 3, (4, 6)).astype("int32")
+
+
+def test_embedding_sum_values():
+    tokens, positions, segments, ids = _embedding_inputs()
+    inputs = [keras.ops.convert_to_tensor(a) for a in (tokens, positions, segments, ids)]
+    out = keras.ops.convert_to_numpy(fused.fused_embedding_sum(*inputs))
+    np.testing.assert_allclose(out, tokens + segments[ids] + positions[None], atol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the custom gradient is JAX's")
+def test_embedding_sum_gradient_is_autodiff_of_the_plain_sum():
+    """The JAX path gathers both tables (no broadcast, see fused.py) and
+    replaces the scatter-add gradient with a batch sum and a one-hot product."""
+    import jax
+
+    tokens, positions, segments, ids = _embedding_inputs()
+    weights = np.random.default_rng(4).normal(size=tokens.shape).astype("float32")
+
+    def loss(f):
+        return lambda t, p, s: (f(t, p, s) * weights).sum()
+
+    plain = lambda t, p, s: t + s[ids] + p[None]  # noqa: E731
+    fused_sum = lambda t, p, s: fused.fused_embedding_sum(t, p, s, ids)  # noqa: E731
+    got = jax.jit(jax.grad(loss(fused_sum), (0, 1, 2)))(tokens, positions, segments)
+    want = jax.grad(loss(plain), (0, 1, 2))(tokens, positions, segments)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="the oneDNN path is torch's CPU inference")
 def test_torch_cpu_inference_path_is_exact_and_follows_weight_updates():
     import torch

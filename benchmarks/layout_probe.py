@@ -61,6 +61,74 @@ def patch(names):
             x = self.layer_norm(x)
             return self.dropout_layer(x, training=training)
         embeddings.BertEmbeddings.call = pcall3
+    if "qkv3" in names:  # three projections instead of one QKV product and a split copy
+        from keras import ops as kops
+
+        from kbert.layers import attention, fused as kfused
+
+        def acall(self, inputs, padding_mask, training=None):
+            b, t = kops.shape(inputs)[0], kops.shape(inputs)[1]
+            h = self.hidden_dim
+            kernel = kops.cast(self.qkv.kernel, self.compute_dtype)
+            bias = kops.cast(self.qkv.bias, self.compute_dtype)
+            x = kops.cast(inputs, self.compute_dtype)
+            q, k, v = (kops.reshape(kops.matmul(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h],
+                                    (b, t, self.num_heads, self.head_dim)) for i in range(3))
+            context = kfused.fused_attention(q, k, v, padding_mask, 1.0 / self.head_dim ** 0.5)
+            return self.output_dense(kops.reshape(context, (b, t, h)))
+        attention.MultiHeadSelfAttention.call = acall
+    if "hashdrop" in names:  # mask bits from an elementwise hash of the index (fusable, no RNG buffer)
+        import jax.numpy as jnp
+        import numpy as np
+
+        from kbert.layers import dropout
+
+        def mix(x):  # lowbias32
+            x = x ^ (x >> 16)
+            x = x * jnp.uint32(0x7FEB352D)
+            x = x ^ (x >> 15)
+            x = x * jnp.uint32(0x846CA68B)
+            return x ^ (x >> 16)
+
+        def hash_dropout(inputs, rate, seed_generator):
+            seed = jnp.asarray(seed_generator.next(), "uint32")
+            k0, k1 = mix(seed[0] ^ jnp.uint32(0x9E3779B9)), mix(seed[1] + jnp.uint32(0x85EBCA6B))
+            index = jnp.zeros(inputs.shape, jnp.uint32)
+            stride = 1
+            for axis in reversed(range(inputs.ndim)):
+                index = index + jax.lax.broadcasted_iota(jnp.uint32, inputs.shape, axis) * jnp.uint32(stride)
+                stride *= inputs.shape[axis]
+            bits = mix(mix(index ^ k0) + k1)
+            keep = bits < jnp.uint32(int(round((1.0 - rate) * 2**32)))
+            scale = np.float32(1 / (1 - rate))
+
+            def masked(x):
+                return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros_like(x))
+
+            @jax.custom_vjp
+            def apply(x):
+                return masked(x)
+            apply.defvjp(lambda x: (masked(x), None), lambda _, g: (masked(g),))
+            return apply(inputs)
+        dropout.fused_dropout = hash_dropout
+    if "drop32" in names:  # dropout with one 32-bit draw per element and autodiff'd scaling
+        import jax.numpy as jnp
+
+        from kbert.layers import dropout
+
+        def old_dropout(inputs, rate, seed_generator):
+            seed = jnp.asarray(seed_generator.next(), "uint32")
+            key = jax.random.wrap_key_data(jnp.concatenate([seed, seed ^ jnp.uint32(0x9E3779B9)]), impl="rbg")
+            bits = jax.random.bits(key, inputs.shape, jnp.uint32)
+            keep = bits < jnp.uint32(int(round((1.0 - rate) * 2**32)))
+            return jnp.where(keep, inputs / jnp.asarray(1.0 - rate, inputs.dtype), jnp.zeros_like(inputs))
+        dropout.fused_dropout = old_dropout
+    if "kerasln" in names:  # Keras' LayerNormalization (autodiff, two-pass variance)
+        import keras
+
+        from kbert.layers import layer_norm
+
+        layer_norm.LayerNorm.call = keras.layers.LayerNormalization.call
     if "autogelu" in names:  # GELU through autodiff instead of fused_gelu's custom gradient
         import keras
 

@@ -9,12 +9,14 @@ from kbert.layers.attention import MultiHeadSelfAttention
 from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding
 from kbert.layers.encoder import TransformerEncoderBlock
 from kbert.layers.heads import MaskedLMHead, NextSentenceHead, Pooler
+from kbert.layers.layer_norm import LayerNorm
 
 __all__ = [
     "BertEmbeddings",
     "BottleneckAdapter",
     "Dense",
     "Dropout",
+    "LayerNorm",
     "MaskedLMHead",
     "MultiHeadSelfAttention",
     "NextSentenceHead",

@@ -8,6 +8,7 @@ from keras import ops
 
 from kbert.layers.dropout import Dropout
 from kbert.layers.fused import fused_embedding_sum
+from kbert.layers.layer_norm import LayerNorm
 from kbert.utils import checks
 
 
@@ -99,7 +100,7 @@ class BertEmbeddings(keras.layers.Layer):
             dtype=self.dtype_policy,
             name="segment_embedding",
         )
-        self.layer_norm = keras.layers.LayerNormalization(
+        self.layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
         self.dropout_layer = Dropout(

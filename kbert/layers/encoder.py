@@ -10,6 +10,7 @@ from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
+from kbert.layers.layer_norm import LayerNorm
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -69,7 +70,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
             name="self_attention",
         )
         self.attention_dropout_layer = Dropout(dropout, dtype=policy, name="attention_output_dropout")
-        self.attention_layer_norm = keras.layers.LayerNormalization(
+        self.attention_layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="attention_layer_norm"
         )
         self.intermediate_dense = Dense(
@@ -83,7 +84,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
             hidden_dim, kernel_initializer=init, dtype=policy, name="output_dense"
         )
         self.output_dropout = Dropout(dropout, dtype=policy, name="output_dropout")
-        self.output_layer_norm = keras.layers.LayerNormalization(
+        self.output_layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="output_layer_norm"
         )
         self.attention_adapter = self.output_adapter = None

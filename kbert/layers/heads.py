@@ -9,6 +9,7 @@ from keras import ops
 
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.dense import Dense
+from kbert.layers.layer_norm import LayerNorm
 
 
 def _initializer(stddev):
@@ -115,7 +116,7 @@ class MaskedLMHead(keras.layers.Layer):
             dtype=self.dtype_policy,
             name="transform",
         )
-        self.layer_norm = keras.layers.LayerNormalization(
+        self.layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
 

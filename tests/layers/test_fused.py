@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 
-from kbert.layers import Dense, Dropout, fused
+from kbert.layers import Dense, Dropout, LayerNorm, fused
 
 
 def test_dense_equals_keras_dense_with_and_without_bias_and_lora():
@@ -52,6 +52,19 @@ def test_dropout_rate_scale_and_seeding():
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(layer(x, training=False)), x)
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="kbert's own dropout path is JAX's")
+def test_dropout_scales_half_precision_without_bias():
+    """Kept bfloat16 values are x / (1 - rate) rounded once, not x times a
+    bfloat16-rounded 1 / 0.9 (1.109, 0.16% low on every kept value)."""
+    x = np.random.default_rng(2).uniform(1, 2, (200, 200)).astype("float32")
+    x16 = keras.ops.cast(x, "bfloat16")
+    out = keras.ops.convert_to_numpy(keras.ops.cast(Dropout(0.1, seed=1, dtype="bfloat16")(x16, training=True), "float32"))
+    kept = out != 0
+    ratio = out[kept] / keras.ops.convert_to_numpy(keras.ops.cast(x16, "float32"))[kept]
+    assert abs(ratio.mean() * 0.9 - 1) < 3e-4  # unbiased: rounding errors average out
+    np.testing.assert_allclose(ratio, 1 / 0.9, rtol=4e-3)  # each value: one bfloat16 rounding
+
+
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_dropout_extreme_rates(rate):
     x = np.ones((4, 4), "float32")
@@ -59,10 +72,59 @@ def test_dropout_extreme_rates(rate):
     np.testing.assert_array_equal(out, x if rate == 0 else np.zeros_like(x))
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the custom gradient is JAX's")
+def test_dropout_gradient_uses_the_forward_mask():
+    import jax
+    import jax.numpy as jnp
+
+    class FixedSeed:  # a pure function of x for jax.grad: the seed does not advance
+        def next(self):
+            return jnp.array([7, 11], "uint32")
+
+    x = jnp.linspace(-1, 1, 3000, dtype=jnp.float32).reshape(30, 100)
+    weights = jnp.cos(x)
+    out = fused.fused_dropout(x, 0.3, FixedSeed())
+    grad = jax.jit(jax.grad(lambda v: (fused.fused_dropout(v, 0.3, FixedSeed()) * weights).sum()))(x)
+    keep = np.asarray(out) != 0
+    scale = 1 / 0.7
+    assert abs(keep.mean() - 0.7) < 0.03
+    np.testing.assert_allclose(np.asarray(out)[keep], np.asarray(x)[keep] * scale, rtol=1e-6)
+    np.testing.assert_allclose(grad, np.where(keep, np.asarray(weights) * scale, 0), rtol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the hashed bits are JAX's")
+def test_dropout_bits_are_uniform_and_uncorrelated():
+    """What dropout needs from `dropout_bits`: uniform bits, and keep masks
+    uncorrelated between neighbouring elements, neighbouring rows and
+    successive seeds (correlations of 0.1-masks over 1M elements: |r| is
+    about 0.001 by chance; a flaw such as a shifted copy gives 1)."""
+    shape = (256, 4096)
+    seeds = [np.array([s, 3 * s + 1], "uint32") for s in range(4)]
+    bits = [np.asarray(fused.dropout_bits(shape, s)) for s in seeds]
+    for b in bits:
+        counts = np.bincount((b >> 28).ravel(), minlength=16)  # top 4 bits: 16 equal cells
+        chi2 = ((counts - b.size / 16) ** 2 / (b.size / 16)).sum()
+        assert chi2 < 50  # 15 degrees of freedom: P(chi2 > 50) ~ 1e-5
+        low = np.bincount((b & 15).ravel(), minlength=16)  # low bits too
+        assert ((low - b.size / 16) ** 2 / (b.size / 16)).sum() < 50
+    masks = [(b < np.uint32(0.1 * 2**32)).astype("float32") for b in bits]
+    m = masks[0]
+    assert abs(m.mean() - 0.1) < 0.002
+
+    def r(a, b):
+        return abs(np.corrcoef(a.ravel(), b.ravel())[0, 1])
+
+    assert r(m[:, 1:], m[:, :-1]) < 0.006  # neighbouring elements
+    assert r(m[1:], m[:-1]) < 0.006  # neighbouring rows
+    for other in masks[1:]:  # successive seeds (the generator advances per call)
+        assert r(m, other) < 0.006
+    assert r(m.ravel()[1:], masks[1].ravel()[:-1]) < 0.006  # no shifted copies across seeds
+
+
 def test_paths_are_reported():
     backend = keras.backend.backend()
     assert fused.fused_dense_path() == ("torch-linear" if backend == "torch" else "keras-matmul-add")
-    assert fused.fused_dropout_path() == ("jax-rbg" if backend == "jax" else f"keras-{backend}")
+    assert fused.fused_dropout_path() == ("jax-hash" if backend == "jax" else f"keras-{backend}")
     assert fused.fused_attention_path("float32") == ("torch-sdpa" if backend == "torch" else f"keras-{backend}")
 
 
@@ -119,6 +181,40 @@ def test_gelu_gradient_is_autodiff_of_gelu(approximate):
     assert got16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got16, "float32"), jax.grad(
         lambda v: (jax.nn.gelu(v, approximate=approximate) * weights).sum())(x16.astype(jnp.float32)), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_norm_equals_keras_layer_normalization(dtype):
+    rng = np.random.default_rng(5)
+    x = (rng.normal(size=(3, 7, 16)) * 3 + 1.5).astype("float32")
+    ours, ref = LayerNorm(epsilon=1e-12, dtype=dtype), keras.layers.LayerNormalization(epsilon=1e-12, dtype=dtype)
+    ours.build(x.shape)
+    ref.build(x.shape)
+    ours.set_weights([rng.normal(size=16).astype("float32") for _ in range(2)])
+    ref.set_weights(ours.get_weights())
+    tensor = keras.ops.cast(keras.ops.convert_to_tensor(x), dtype)
+    got, want = (keras.ops.convert_to_numpy(keras.ops.cast(layer(tensor), "float32")) for layer in (ours, ref))
+    np.testing.assert_allclose(got, want, atol=1e-5 if dtype == "float32" else 3e-2)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the custom gradient is JAX's")
+def test_layer_norm_gradient_is_autodiff_of_keras_layer_norm():
+    import jax
+
+    rng = np.random.default_rng(6)
+    x = (rng.normal(size=(4, 5, 16)) * 2 - 0.7).astype("float32")
+    gamma, beta = (rng.normal(size=16).astype("float32") for _ in range(2))
+    weights = rng.normal(size=x.shape).astype("float32")
+
+    def loss(f):
+        return lambda x, g, b: (f(x, g, b) * weights).sum()
+
+    ours = lambda x, g, b: fused.fused_layer_norm(x, g, b, 1e-12)  # noqa: E731
+    ref = lambda x, g, b: keras.ops.layer_normalization(x, g, b, epsilon=1e-12)  # noqa: E731
+    got = jax.jit(jax.grad(loss(ours), (0, 1, 2)))(x, gamma, beta)
+    want = jax.grad(loss(ref), (0, 1, 2))(x, gamma, beta)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=2e-5)
 
 
 def _embedding_inputs():

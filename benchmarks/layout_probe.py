@@ -1,10 +1,19 @@
-"""Experiment: which graph choice makes XLA store BERT activations as (T, H, B)?
+"""A/B probe for the JAX training step: one process per variant, each variant
+a monkeypatch that puts back (or tries) one graph choice, timed on the same
+GPU with the large transposes of its optimized HLO counted.
 
-    KERAS_BACKEND=jax python benchmarks/layout_probe.py --variants base mlmflat ... --out probe.json
+    KERAS_BACKEND=jax python benchmarks/layout_probe.py --variants base kerasln hashdrop --out probe.json
 
-Each variant runs in its own process with a monkeypatch (see PATCHES), dumps
-the optimized HLO of the training step, counts the large transposes XLA
-emitted and times the step (BERT-base, seq 128, batch 256, bf16, one GPU).
+BERT-base, seq 128, batch 256, bf16, hidden dropout 0.1, attention dropout 0,
+steps_per_execution 1, best of two fits of 30 steps. Variants (combine with
+'+'): base (the code as it is); posgather/posbar/posscatter/posdot/possum2d
+(forms of the position embedding and its gradient); mlmflat, poolbar,
+poolgather, embflat (other gathers and slices, tried while looking for what
+set the (T, H, B) layout); autogelu (jax.nn.gelu, erfc form); erfauto (erf
+form through autodiff); kerasln (Keras' LayerNormalization); drop32 (the
+session-3 Philox dropout); hashdrop (hashed masks, now the code); qkv3 (three
+Q/K/V products instead of one fused product); nodrop (no hidden dropout).
+Results of session 4: benchmarks/results/gpu_layout_probe_h100.json.
 """
 
 import argparse

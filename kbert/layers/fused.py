@@ -23,8 +23,8 @@ LayerNorm and the position + segment embedding sum.
   the mask. A generator (threefry, or XLA's Philox RngBitGenerator through
   a `rbg` key) writes its bits to memory and reads them back: on an H100 a
   BERT-base step ran at 4,774 sequences/s with Philox and 5,023 with the
-  hash (`benchmarks/layout_probe.py`, variants base and hashdrop, same
-  machine). The hash is not a cryptographic or BigCrush-certified
+  hash (same machine; `python benchmarks/layout_probe.py --variants base
+  philox` reruns the comparison). The hash is not a cryptographic or BigCrush-certified
   generator; tests check what dropout needs: the keep rate, no correlation
   between neighbouring elements, rows, or successive masks; and the
   pre-training example reaches the same held-out accuracy with it as with
@@ -393,7 +393,7 @@ def fused_layer_norm(x, gamma, beta, epsilon):
         dx = rstd * (g_scaled - a - x_hat * b)
         zero = np.float32(0)
         d_gamma, d_beta = jax.lax.reduce(  # one pass over (g, x) for both
-            (g * x_hat, g), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), reduce_axes)
+            (g * x_hat, g), (zero, zero), lambda u, v: (u[0] + v[0], u[1] + v[1]), reduce_axes)
         return dx.astype(x.dtype), d_gamma.astype(gamma.dtype), d_beta.astype(beta.dtype)
 
     layer_norm.defvjp(forward, backward)

@@ -280,6 +280,12 @@ class Task(PresetMixin, keras.Model):
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def train_step(self, *args, **kwargs):
+        if keras.backend.backend() == "torch" and not self.jit_compile:
+            # Keras' torch step synchronises the GPU stream several times;
+            # ours does not (see kbert.training.torch_step).
+            from kbert.training.torch_step import train_step
+
+            return train_step(self, *args, **kwargs)
         return _multi_worker_logs(self, super().train_step(*args, **kwargs))
 
     def test_step(self, *args, **kwargs):

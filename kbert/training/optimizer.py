@@ -104,7 +104,23 @@ def _adamw_base():
 
 @keras.saving.register_keras_serializable(package="kbert")
 class AdamW(_ClipAfterAllReduce, _adamw_base()):
-    """keras.optimizers.AdamW with replica-exact global-norm clipping."""
+    """keras.optimizers.AdamW with replica-exact global-norm clipping; on
+    torch, a step with no host-device synchronisation
+    (`kbert.training.torch_step`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if keras.backend.backend() == "torch":
+            from kbert.training.torch_step import count_in_place
+
+            count_in_place(self._iterations)
+
+    def _parallel_update_step(self, grads, variables, learning_rate):
+        # Only the torch base has this method (Keras calls it from the
+        # torch `_backend_update_step`).
+        from kbert.training.torch_step import adam_update
+
+        adam_update(self, grads, variables, learning_rate)
 
 
 @keras.saving.register_keras_serializable(package="kbert")

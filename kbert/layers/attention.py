@@ -19,7 +19,7 @@ from keras import ops
 
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
-from kbert.layers.fused import fused_attention
+from kbert.layers.fused import fused_attention, sublayer_call
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -79,7 +79,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     def call(self, inputs, padding_mask, training=None):
         batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
-        qkv = self.qkv(inputs)
+        qkv = sublayer_call(self.qkv, inputs)
         qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, D)
 
@@ -94,7 +94,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
             context = self._explicit_attention(query, key, value, keep, scale, training)
         context = ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
-        return self.output_dense(context)
+        return sublayer_call(self.output_dense, context)
 
     def _explicit_attention(self, query, key, value, keep, scale, training):
         scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
@@ -105,7 +105,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         # synchronises the stream.
         scores = scores + (ops.cast(keep, "float32") - 1.0) * 1e30
         probs = ops.cast(ops.softmax(scores, axis=-1), self.compute_dtype)
-        probs = self.probs_dropout(probs, training=training)
+        probs = sublayer_call(self.probs_dropout, probs, training=training)
         return ops.einsum("bnts,bsnd->btnd", probs, value)  # (B, T, N, D)
 
     def compute_output_shape(self, inputs_shape, padding_mask_shape=None):

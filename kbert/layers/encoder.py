@@ -11,6 +11,7 @@ from kbert.layers.dropout import Dropout
 from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
 from kbert.layers.layer_norm import LayerNorm
+from kbert.layers.fused import sublayer_call
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -108,16 +109,17 @@ class TransformerEncoderBlock(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, padding_mask, training=None):
-        attended = self.self_attention(inputs, padding_mask, training=training)
-        attended = self.attention_dropout_layer(attended, training=training)
+        run = sublayer_call  # layer(...), minus Keras' per-call overhead on torch
+        attended = run(self.self_attention, inputs, padding_mask, training=training)
+        attended = run(self.attention_dropout_layer, attended, training=training)
         if self.attention_adapter is not None:
             attended = self.attention_adapter(attended)
-        x = self.attention_layer_norm(inputs + attended)
-        y = self.output_dense(self.intermediate_dense(x))
-        y = self.output_dropout(y, training=training)
+        x = run(self.attention_layer_norm, inputs + attended)
+        y = run(self.output_dense, run(self.intermediate_dense, x))
+        y = run(self.output_dropout, y, training=training)
         if self.output_adapter is not None:
             y = self.output_adapter(y)
-        return self.output_layer_norm(x + y)
+        return run(self.output_layer_norm, x + y)
 
     def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
         return tuple(inputs_shape)

@@ -80,9 +80,22 @@ def _clip_by_global_norm(grads, clip):
     here constants only meet tensors through arithmetic operators.
     """
     present = [g for g in grads if g is not None]
-    norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
+    multi_tensor = keras.backend.backend() == "torch" and all(g.dtype == present[0].dtype for g in present)
+    if multi_tensor:
+        # torch: one multi-tensor kernel for all the norms and one for the
+        # scaling, where the per-gradient form launches ~4 kernels per
+        # variable (800 for BERT-base, a third of the step's launches).
+        import torch
+
+        norms = torch._foreach_norm(present, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+    else:
+        norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
     scale = clip / (ops.relu(norm - clip) + clip)  # = clip / max(norm, clip)
     scale = scale + (norm - norm)  # inf - inf and NaN - NaN are NaN: poison a non-finite norm
+    if multi_tensor:
+        scaled = iter(torch._foreach_mul(present, scale.to(present[0].dtype)))
+        return [None if g is None else next(scaled) for g in grads]
     return [None if g is None else g * ops.cast(scale, g.dtype) for g in grads]
 
 

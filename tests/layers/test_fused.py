@@ -275,3 +275,37 @@ def test_torch_cpu_inference_path_is_exact_and_follows_weight_updates():
     out = layer(x)
     out.sum().backward()
     assert layer.kernel.value.grad is not None
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_sublayer_call_equals_calling_the_layer(policy, monkeypatch):
+    """Inside an encoder block (under its autocast scope) `sublayer_call`
+    gives what `layer(...)` gives: a Dense (autocast), a LayerNorm (no
+    autocast: float32 gamma/beta) and a Dropout; on torch it skips
+    `Layer.__call__`, elsewhere it is the call."""
+    import kbert.layers.attention as attention
+    import kbert.layers.encoder as encoder
+
+    block = encoder.TransformerEncoderBlock(2, 16, 32, dropout=0.0, dtype=policy)
+    x = keras.ops.convert_to_tensor(np.random.default_rng(0).normal(size=(2, 5, 16)), block.compute_dtype)
+    mask = keras.ops.ones((2, 5), "int32")
+    block(x, mask)
+    with monkeypatch.context() as plain:
+        for module in (attention, encoder):
+            plain.setattr(module, "sublayer_call", lambda layer, *args, **kwargs: layer(*args, **kwargs))
+        expected = keras.ops.convert_to_numpy(keras.ops.cast(block(x, mask), "float32"))
+
+    calls = []
+    original = keras.layers.Layer.__call__
+
+    def counting(self, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.layers.Layer, "__call__", counting)
+    got = keras.ops.convert_to_numpy(keras.ops.cast(block(x, mask), "float32"))
+    np.testing.assert_array_equal(got, expected)
+    if keras.backend.backend() == "torch":
+        assert calls == ["TransformerEncoderBlock"], calls
+    else:
+        assert "Dense" in calls and "LayerNorm" in calls, calls

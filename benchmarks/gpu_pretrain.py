@@ -29,7 +29,9 @@ CONFIGS = {
 # kbert-<backend>-drop<attention dropout>[-nodrop: no hidden dropout either,
 # an upper bound that shows what dropout costs][-cublas: XLA without Triton
 # GEMMs][-jit: torch.compile the torch backend's step][-dp: keras.distribution.DataParallel
-# over all GPUs, per-GPU batch unchanged]; hf-eager / hf-compile.
+# over all GPUs, per-GPU batch unchanged][-kerasbatches: torch, batches put on
+# the GPU by Keras' data adapters (blocking copies) as before host_batches];
+# hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
 
@@ -99,6 +101,12 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
     dropout = float(options[0][len("drop"):])
     if keras.backend.backend() == "torch":
         spe = 1  # Keras' torch trainer runs one step per call
+        if "kerasbatches" in options:  # A/B: Keras' own blocking batch copies
+            import contextlib
+
+            import kbert.training.torch_step as torch_step
+
+            torch_step.host_batches = lambda force=False: contextlib.nullcontext()
     if "dp" in options:  # data parallel over every local GPU, same per-GPU batch
         devices = keras.distribution.list_devices("gpu")
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))

@@ -200,6 +200,13 @@ class Task(PresetMixin, keras.Model):
             validation_data = (vx, vy) + tuple(validation_data[2:])
         elif _is_tf_dataset(validation_data):
             validation_data = self._convert(validation_data, None, with_targets=True)[0]
+        if keras.backend.backend() == "torch":
+            # Batches made on the host, copied without blocking by the step
+            # (see kbert.training.torch_step).
+            from kbert.training.torch_step import host_batches
+
+            with host_batches():
+                return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
         return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
@@ -288,8 +295,13 @@ class Task(PresetMixin, keras.Model):
             return train_step(self, *args, **kwargs)
         return _multi_worker_logs(self, super().train_step(*args, **kwargs))
 
-    def test_step(self, *args, **kwargs):
-        return _multi_worker_logs(self, super().test_step(*args, **kwargs))
+    def test_step(self, data):
+        if keras.backend.backend() == "torch":
+            # Validation inside fit gets host batches too (see fit).
+            from kbert.training.torch_step import to_device
+
+            data = to_device(data)
+        return _multi_worker_logs(self, super().test_step(data))
 
     def compile_from_config(self, config):
         # Our compile only adds defaults, so a saved compile config replays as is.

@@ -9,12 +9,18 @@ drains the GPU queue, so the host's Python work for the next layers (Keras
 layer calls are costly) can no longer run ahead of the GPU: the step time
 becomes host time plus GPU time instead of their maximum.
 
-Here the batch is copied from pinned memory without blocking, the batch
-size is made on the device, and AdamW's update keeps its step count and
-bias corrections on the device. Same arithmetic as Keras (a test compares
+Keras' torch data adapters (arrays, tf.data, PyDataset) convert each batch
+with `convert_to_tensor`, which puts it on the GPU with such a blocking
+copy. During `Task.fit` (`host_batches`) the batches are made on the host
+instead (Keras' device scope set to "cpu" around each `next()` of the
+loader), and the step copies them from pinned memory without blocking. The
+batch size for the loss tracker is made on the device, and AdamW's update
+keeps its step count and bias corrections on the device. Same arithmetic as Keras (a test compares
 against a NumPy AdamW and records every constant conversion). Used by
 `Task.train_step` and `kbert.training.AdamW` only when the backend is torch.
 """
+
+import contextlib
 
 import keras
 
@@ -26,14 +32,27 @@ def _device_copy(value, device):
     import numpy as np
     import torch
 
-    if device.type != "cuda":
+    if device.type == "cpu":
         return value
     # float64 is left to Keras, which converts it to floatx.
     if isinstance(value, np.ndarray) and (value.dtype.kind in "biu" or value.dtype == np.float32):
         value = torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-        return value.pin_memory().to(device, non_blocking=True)
+        if device.type == "cuda":
+            return value.pin_memory().to(device, non_blocking=True)
+        return value.to(device)
     return value
+
+
+def to_device(data):
+    """Every host array or tensor in `data` on Keras' current torch device
+    (non-blocking copies from pinned memory to a GPU)."""
+    import torch
+
+    from keras.src.backend.torch.core import get_device
+
+    device = torch.device(get_device())
+    return keras.tree.map_structure(lambda v: _device_copy(v, device), data)
 
 
 def train_step(model, data):
@@ -41,10 +60,7 @@ def train_step(model, data):
     with no host-device synchronisation of its own."""
     import torch
 
-    from keras.src.backend.torch.core import get_device
-
-    device = torch.device(get_device())
-    data = keras.tree.map_structure(lambda v: _device_copy(v, device), data)
+    data = to_device(data)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
     model.zero_grad()
@@ -121,3 +137,46 @@ def adam_update(optimizer, grads, variables, learning_rate):
         torch._foreach_div(torch._foreach_mul(m_list, alpha), torch._foreach_add(torch._foreach_sqrt(v_list), optimizer.epsilon)),
         alpha=-1,
     )
+
+
+def _host_iterator_class(base):
+    class HostBatchIterator(base):
+        """Keras' torch epoch iterator, with each batch made on the host."""
+
+        def _get_iterator(self):
+            loader = super()._get_iterator()
+
+            def batches():
+                iterator = None
+                while True:
+                    with keras.device("cpu"):
+                        if iterator is None:
+                            iterator = iter(loader)
+                        try:
+                            batch = next(iterator)
+                        except StopIteration:
+                            return
+                    yield batch
+
+            return batches()
+
+    return HostBatchIterator
+
+
+@contextlib.contextmanager
+def host_batches(force=False):
+    """Within the block, Keras' torch `fit`/`evaluate` make their batches on
+    the host (see the module docstring): only where the default device is a
+    GPU, or with `force`."""
+    from keras.src.backend.torch import trainer
+    from keras.src.backend.torch.core import get_device
+
+    if not force and not str(get_device()).startswith("cuda"):
+        yield
+        return
+    original = trainer.TorchEpochIterator
+    trainer.TorchEpochIterator = _host_iterator_class(original)
+    try:
+        yield
+    finally:
+        trainer.TorchEpochIterator = original

@@ -297,3 +297,35 @@ def test_torch_training_step_adds_no_host_device_syncs(monkeypatch):
     model.train_step(data)
     assert callers == [], callers
     assert int(model.optimizer.iterations.numpy()) == before + 1
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="Keras' torch epoch iterator")
+def test_torch_fit_makes_batches_on_the_host():
+    """Keras' torch data adapters put every batch on the default device with
+    a blocking copy; under `host_batches` (active in Task.fit when that
+    device is a GPU) they stay on the host and the step copies them without
+    blocking. A "meta" default device stands in for the GPU here."""
+    from keras.src.backend.torch import trainer
+
+    from kbert.training.torch_step import host_batches
+    from tests.models.test_pretrainer import batch
+
+    original = trainer.TorchEpochIterator
+    x = np.arange(12, dtype="int32").reshape(6, 2)
+    with host_batches(force=True):
+        iterator = trainer.TorchEpochIterator(x=x, batch_size=2, shuffle=False)
+        with keras.device("meta"):
+            host = [data[0] for _, _, data in iterator.enumerate_epoch()]
+            default = [data[0] for _, _, data in original(x=x, batch_size=2, shuffle=False).enumerate_epoch()]
+    assert trainer.TorchEpochIterator is original
+    assert all(b.device.type == "meta" for b in default)  # the copy Keras would make
+    assert all(b.device.type == "cpu" for b in host)
+    np.testing.assert_array_equal(np.concatenate([b.numpy() for b in host]), x)
+
+    # fit (with validation, so test_step too) runs on host batches.
+    model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY))
+    model.compile(optimizer=create_optimizer(1e-3, 100, 10))
+    x, y = batch(seed=0)
+    with host_batches(force=True):
+        history = model.fit(x, y, validation_data=(x, y), batch_size=2, epochs=1, verbose=0).history
+    assert np.isfinite(history["loss"][0]) and np.isfinite(history["val_loss"][0])

@@ -29,7 +29,7 @@ CONFIGS = {
 # kbert-<backend>-drop<attention dropout>[-nodrop: no hidden dropout either,
 # an upper bound that shows what dropout costs][-cublas: XLA without Triton
 # GEMMs][-jit: torch.compile the torch backend's step][-dp: keras.distribution.DataParallel
-# over all GPUs, per-GPU batch unchanged][-kerasbatches: torch, batches put on
+# over all GPUs, per-GPU batch unchanged][-dpxla: the same with XLA's attention][-kerasbatches: torch, batches put on
 # the GPU by Keras' data adapters (blocking copies) as before host_batches];
 # hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
@@ -107,7 +107,11 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
             import kbert.training.torch_step as torch_step
 
             torch_step.host_batches = lambda force=False: contextlib.nullcontext()
-    if "dp" in options:  # data parallel over every local GPU, same per-GPU batch
+    if "dpxla" in options:  # A/B: the XLA attention path under the distribution
+        import kbert.layers.fused as fused
+
+        fused._jax_gpu = lambda: False
+    if "dp" in options or "dpxla" in options:  # data parallel over every local GPU, same per-GPU batch
         devices = keras.distribution.list_devices("gpu")
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
         b *= len(devices)

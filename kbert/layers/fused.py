@@ -40,9 +40,10 @@ LayerNorm and the position + segment embedding sum.
   with `key_value_seq_lengths` (the form cuDNN accepts for padding: a mask
   tensor is what made keras-hub's cuDNN call fail). Key counts mean right
   padding (1s then 0s); other masks are made that form by moving the real
-  keys first (see `_jax_cudnn`), so any mask is exact. Under a
-  `keras.distribution` (data parallel) the XLA path is used; so it is for
-  float32 (cuDNN flash attention takes only 16-bit and fp8 inputs).
+  keys first (see `_jax_cudnn`), so any mask is exact. Under
+  `keras.distribution.DataParallel` the operands are pinned to batch
+  shards; under other distributions the XLA path is used, and so it is
+  for float32 (cuDNN flash attention takes only 16-bit and fp8 inputs).
 - torch: `torch.nn.functional.scaled_dot_product_attention` on (B, N, T, D)
   views with a boolean mask. `keras.ops.dot_product_attention` reaches the
   same kernel but first copies Q, K and V to contiguous tensors and turns
@@ -241,9 +242,11 @@ def fused_dropout(inputs, rate, seed_generator):
 
 
 def _jax_gpu():
-    if keras.backend.backend() != "jax" or keras.distribution.distribution() is not None:
-        # Under a Keras distribution, XLA may shard the sliced Q/K/V apart,
-        # which jax's cuDNN partitioner rejects; the XLA path shards freely.
+    distribution = keras.distribution.distribution()
+    if keras.backend.backend() != "jax" or not (distribution is None or isinstance(distribution, keras.distribution.DataParallel)):
+        # Under model parallelism XLA may shard the sliced Q/K/V apart
+        # (heads, features), which jax's cuDNN partitioner rejects; the XLA
+        # path shards freely. Data parallelism pins them to batch shards.
         return False
     import jax
 
@@ -294,6 +297,15 @@ def _jax_cudnn(query, key, value, keep, scale, implementation="cudnn"):
     # this and a masked XLA path cost more: autodiff makes each branch
     # return the other's residuals, so every layer materialised zero
     # (B, N, T, S) tensors, and the cond boundary forced layout copies.
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        # Data parallel: every operand sharded on the batch axis only, the
+        # layout jax's cuDNN partitioner accepts (XLA could otherwise pick
+        # another sharding for the sliced Q/K/V).
+        def pin(x):
+            return keras.distribution.distribute_tensor(x, distribution.get_data_layout(x.shape))
+
+        query, key, value, keep, lengths = (pin(x) for x in (query, key, value, keep, lengths))
     order = jnp.argsort(~keep, axis=1, stable=True).astype(jnp.int32)  # (B, S), real keys first
     inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
     key, value = _permute_keys(key, order, inverse), _permute_keys(value, order, inverse)

@@ -309,3 +309,39 @@ def test_sublayer_call_equals_calling_the_layer(policy, monkeypatch):
         assert calls == ["TransformerEncoderBlock"], calls
     else:
         assert "Dense" in calls and "LayerNorm" in calls, calls
+
+
+DATA_PARALLEL_ATTENTION = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, keras, numpy as np
+from kbert.layers import fused
+rng = np.random.default_rng(0)
+q, k, v = (rng.normal(size=(4, 6, 2, 8)).astype("float32") for _ in range(3))
+keep = (np.arange(6)[None] < np.array([[6], [3], [1], [5]])).astype(bool)
+keep[3] = keep[3][::-1]  # a left-padded row: the reordered-keys case
+run = jax.jit(lambda *a: fused._jax_cudnn(*a, 0.3, implementation="xla"))
+single = np.asarray(run(q, k, v, keep))
+keras.distribution.set_distribution(keras.distribution.DataParallel(devices=keras.distribution.list_devices("cpu")))
+run = jax.jit(lambda *a: fused._jax_cudnn(*a, 0.3, implementation="xla"))
+sharded = run(q, k, v, keep)
+assert len(sharded.sharding.device_set) == 2, sharded.sharding
+np.testing.assert_allclose(np.asarray(sharded), single, atol=1e-6)
+print("OK")
+"""
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX attention path")
+def test_attention_under_data_parallel_pins_batch_shards():
+    """Under keras.distribution.DataParallel the attention's operands are
+    pinned to batch shards (what jax's cuDNN partitioner accepts) and the
+    result equals the single-device one (XLA's kernel stands in for cuDNN)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=root, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_ATTENTION], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -295,13 +295,13 @@ class Task(PresetMixin, keras.Model):
             return train_step(self, *args, **kwargs)
         return _multi_worker_logs(self, super().train_step(*args, **kwargs))
 
-    def test_step(self, data):
+    def test_step(self, *args, **kwargs):
         if keras.backend.backend() == "torch":
             # Validation inside fit gets host batches too (see fit).
             from kbert.training.torch_step import to_device
 
-            data = to_device(data)
-        return _multi_worker_logs(self, super().test_step(data))
+            args = to_device(args)
+        return _multi_worker_logs(self, super().test_step(*args, **kwargs))
 
     def compile_from_config(self, config):
         # Our compile only adds defaults, so a saved compile config replays as is.

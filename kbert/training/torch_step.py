@@ -21,6 +21,7 @@ against a NumPy AdamW and records every constant conversion). Used by
 """
 
 import contextlib
+import warnings
 
 import keras
 
@@ -72,12 +73,14 @@ def train_step(model, data):
                                                                    device=loss.device))
     if model.optimizer is not None:
         loss = model.optimizer.scale_loss(loss)
-    if model.trainable_weights:
+    trainable_weights = model.trainable_weights  # a walk over every layer: once per step
+    if trainable_weights:
         loss.backward()
-        trainable_weights = model.trainable_weights[:]
         gradients = [v.value.grad for v in trainable_weights]
         with torch.no_grad():
             model.optimizer.apply(gradients, trainable_weights)
+    else:
+        warnings.warn("The model does not have any trainable weights.")
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 

@@ -113,8 +113,11 @@ def adam_update(optimizer, grads, variables, learning_rate):
     step count and bias corrections computed on the device."""
     import torch
 
+    # `_value` is the torch parameter itself: `.value` would add an autocast
+    # and symbolic-scope check per read (600 reads per BERT-base step), and
+    # no autocast scope is active in `apply`.
     keras_variables = variables
-    variables = [v.value for v in variables]
+    variables = [v._value for v in variables]
     dtype = variables[0].dtype
     lr = keras.ops.cast(learning_rate, dtype)
     # Tensor-with-number arithmetic passes the number as a kernel argument:
@@ -125,14 +128,14 @@ def adam_update(optimizer, grads, variables, learning_rate):
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
     index = optimizer._get_variable_index
-    m_list = [optimizer._momentums[index(v)].value for v in keras_variables]
-    v_list = [optimizer._velocities[index(v)].value for v in keras_variables]
+    m_list = [optimizer._momentums[index(v)]._value for v in keras_variables]
+    v_list = [optimizer._velocities[index(v)]._value for v in keras_variables]
     torch._foreach_mul_(m_list, optimizer.beta_1)
     torch._foreach_add_(m_list, grads, alpha=1 - optimizer.beta_1)
     torch._foreach_mul_(v_list, optimizer.beta_2)
     torch._foreach_add_(v_list, torch._foreach_mul(grads, grads), alpha=1 - optimizer.beta_2)
     if optimizer.amsgrad:
-        v_hat_list = [optimizer._velocity_hats[index(v)].value for v in keras_variables]
+        v_hat_list = [optimizer._velocity_hats[index(v)]._value for v in keras_variables]
         torch._foreach_maximum_(v_hat_list, v_list)
         v_list = v_hat_list
     torch._foreach_add_(

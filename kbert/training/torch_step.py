@@ -99,12 +99,17 @@ class InPlaceCounter:
         return super().assign_add(value)
 
 
+_IN_PLACE_CLASSES = {}
+
+
 def count_in_place(variable):
     """Make `variable.assign_add(int)` an in-place device add (see
     `InPlaceCounter`); the variable, its value and its saving are unchanged."""
     base = type(variable)
     if not isinstance(variable, InPlaceCounter):
-        variable.__class__ = type(f"InPlace{base.__name__}", (InPlaceCounter, base), {})
+        if base not in _IN_PLACE_CLASSES:  # one class per variable class, not per optimizer
+            _IN_PLACE_CLASSES[base] = type(f"InPlace{base.__name__}", (InPlaceCounter, base), {})
+        variable.__class__ = _IN_PLACE_CLASSES[base]
     return variable
 
 

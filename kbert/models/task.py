@@ -200,9 +200,9 @@ class Task(PresetMixin, keras.Model):
             validation_data = (vx, vy) + tuple(validation_data[2:])
         elif _is_tf_dataset(validation_data):
             validation_data = self._convert(validation_data, None, with_targets=True)[0]
-        if keras.backend.backend() == "torch":
-            # Batches made on the host, copied without blocking by the step
-            # (see kbert.training.torch_step).
+        if keras.backend.backend() == "torch" and not self.jit_compile:
+            # Batches made on the host, copied without blocking by our step
+            # (see kbert.training.torch_step; torch.compile keeps Keras' step).
             from kbert.training.torch_step import host_batches
 
             with host_batches():

@@ -438,12 +438,9 @@ def sublayer_call(layer, *args, **kwargs):
         return layer(*args, **kwargs)
     # The scope Layer.__call__ would enter (keras/src/layers/layer.py, step 7).
     scope = get_autocast_scope()
-    if not layer.autocast or not keras.backend.is_float_dtype(layer.compute_dtype):
-        wanted = None
-    elif scope is not None or layer.compute_dtype != layer.variable_dtype:
-        wanted = layer.compute_dtype
-    else:
-        wanted = None
+    autocasts = layer.autocast and keras.backend.is_float_dtype(layer.compute_dtype)
+    mixed = scope is not None or layer.compute_dtype != layer.variable_dtype
+    wanted = layer.compute_dtype if autocasts and mixed else None
     if (scope.dtype if scope is not None else None) == wanted:
         return layer.call(*args, **kwargs)
     with AutocastScope(wanted):

@@ -1,6 +1,7 @@
 """What every task model shares: a backbone, an optional preprocessor, and
 preset loading/saving of backbone + head."""
 
+import contextlib
 import logging
 
 import keras
@@ -200,14 +201,14 @@ class Task(PresetMixin, keras.Model):
             validation_data = (vx, vy) + tuple(validation_data[2:])
         elif _is_tf_dataset(validation_data):
             validation_data = self._convert(validation_data, None, with_targets=True)[0]
-        if keras.backend.backend() == "torch" and not self.jit_compile:
-            # Batches made on the host, copied without blocking by our step
-            # (see kbert.training.torch_step; torch.compile keeps Keras' step).
+        batches = contextlib.nullcontext()
+        if self._sync_free_torch_step():
+            # Batches made on the host, copied without blocking by our step.
             from kbert.training.torch_step import host_batches
 
-            with host_batches():
-                return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
-        return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
+            batches = host_batches()
+        with batches:
+            return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         x, y = self._convert(x, y)
@@ -286,10 +287,15 @@ class Task(PresetMixin, keras.Model):
             return
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
+    def _sync_free_torch_step(self):
+        """Whether fit runs kbert.training.torch_step's step: torch, eager
+        (with jit_compile, torch.compile traces Keras' own step)."""
+        return keras.backend.backend() == "torch" and not self.jit_compile
+
     def train_step(self, *args, **kwargs):
-        if keras.backend.backend() == "torch" and not self.jit_compile:
+        if self._sync_free_torch_step():
             # Keras' torch step synchronises the GPU stream several times;
-            # ours does not (see kbert.training.torch_step).
+            # ours does not.
             from kbert.training.torch_step import train_step
 
             return train_step(self, *args, **kwargs)

@@ -157,6 +157,9 @@ def adam_update(optimizer, grads, variables, learning_rate):
     )
 
 
+_END = object()
+
+
 def _host_iterator_class(base):
     class HostBatchIterator(base):
         """Keras' torch epoch iterator, with each batch made on the host."""
@@ -165,15 +168,13 @@ def _host_iterator_class(base):
             loader = super()._get_iterator()
 
             def batches():
-                iterator = None
+                with keras.device("cpu"):
+                    iterator = iter(loader)
                 while True:
                     with keras.device("cpu"):
-                        if iterator is None:
-                            iterator = iter(loader)
-                        try:
-                            batch = next(iterator)
-                        except StopIteration:
-                            return
+                        batch = next(iterator, _END)
+                    if batch is _END:
+                        return
                     yield batch
 
             return batches()

@@ -30,7 +30,9 @@ CONFIGS = {
 # an upper bound that shows what dropout costs][-cublas: XLA without Triton
 # GEMMs][-jit: torch.compile the torch backend's step][-dp: keras.distribution.DataParallel
 # over all GPUs, per-GPU batch unchanged][-dpxla: the same with XLA's attention][-kerasbatches: torch, batches put on
-# the GPU by Keras' data adapters (blocking copies) as before host_batches];
+# the GPU by Keras' data adapters (blocking copies) as before host_batches][-nograph: torch,
+# every step eager instead of a CUDA graph replay][-cmdbuf / -nocmdbuf: XLA command buffers
+# (CUDA graphs) for every kind of op and any sequence length / none];
 # hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
@@ -123,7 +125,8 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
     # torch: Keras' torch.compile of the whole train step does not trace the
     # optimizer (regex weight-decay exclusion), so the torch backend runs eager.
     model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), steps_per_execution=spe,
-                  jit_compile=keras.backend.backend() != "torch" or "jit" in options)
+                  jit_compile=keras.backend.backend() != "torch" or "jit" in options,
+                  cuda_graph="nograph" not in options)
     x, y = batch(t, b, p)
     # Steady state, as the transformers loop is timed (synchronised before
     # and after, no start-up): fit() has a fixed cost per call (iterator,
@@ -277,6 +280,12 @@ def main():
                 env["KERAS_BACKEND"] = variant.split("-")[1]
             if variant.endswith("-cublas"):  # matrix products through cuBLAS only
                 env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false"
+            if variant.endswith("-cmdbuf"):
+                env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + (
+                    " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+                    " --xla_gpu_graph_min_graph_size=1")
+            if variant.endswith("-nocmdbuf"):
+                env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
             steps = args.steps
             cmd = [sys.executable, __file__, "--child", "--config", config, "--variant", variant,
                    "--steps", str(steps), "--steps-per-execution", str(args.steps_per_execution)]

@@ -203,12 +203,21 @@ class Task(PresetMixin, keras.Model):
             validation_data = self._convert(validation_data, None, with_targets=True)[0]
         batches = contextlib.nullcontext()
         if self._sync_free_torch_step():
-            # Batches made on the host, copied without blocking by our step.
-            from kbert.training.torch_step import host_batches
+            # Batches made on the host, copied without blocking by our step,
+            # which a GPU replays as a CUDA graph where it can.
+            from kbert.training.torch_step import GraphedTrainStep, cuda_graph_supported, host_batches
 
             batches = host_batches()
-        with batches:
-            return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
+            if getattr(self, "cuda_graph", True) and cuda_graph_supported(self):
+                self._graphed_step = GraphedTrainStep(self)
+        try:
+            with batches:
+                return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
+        finally:
+            graphed = getattr(self, "_graphed_step", None)
+            if graphed is not None:  # the graph lives for one fit; its counts stay
+                self.cuda_graph_stats = graphed.stats()
+                self._graphed_step = None
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         x, y = self._convert(x, y)
@@ -251,10 +260,17 @@ class Task(PresetMixin, keras.Model):
             return super().predict(x, batch_size=batch_size, verbose=0)
         return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
-    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None, **kwargs):
+    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
+                cuda_graph=True, **kwargs):
         """Fine-tuning defaults: AdamW (weight decay 0.01, none on LayerNorm
         and biases, global-norm clipping 1.0) at `learning_rate`, with 10%
-        linear warm-up and linear decay when `num_train_steps` is given."""
+        linear warm-up and linear decay when `num_train_steps` is given.
+
+        `cuda_graph`: on the torch backend with a GPU and kbert's AdamW,
+        `fit` captures its training step as a CUDA graph and replays it
+        (`kbert.training.torch_step.GraphedTrainStep`); False keeps every
+        step eager. No effect elsewhere."""
+        self.cuda_graph = bool(cuda_graph)
         from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
 
         if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
@@ -298,6 +314,9 @@ class Task(PresetMixin, keras.Model):
             # ours does not.
             from kbert.training.torch_step import train_step
 
+            graphed = getattr(self, "_graphed_step", None)
+            if graphed is not None:
+                return graphed(*args, **kwargs)
             return train_step(self, *args, **kwargs)
         return _multi_worker_logs(self, super().train_step(*args, **kwargs))
 

@@ -199,3 +199,155 @@ def host_batches(force=False):
         yield
     finally:
         trainer.TorchEpochIterator = original
+
+
+def _signature(data):
+    """The structure, shapes and dtypes of a batch: a captured graph replays
+    only batches with the same signature."""
+    return keras.tree.map_structure(lambda v: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else v, data)
+
+
+def _graph_safe_optimizer(optimizer):
+    """Whether `optimizer`'s update is known to be capturable: kbert's AdamW
+    (no host-device copies; step count and bias corrections on the device)
+    with a learning rate that is a variable or a schedule of `iterations`
+    (a plain callable would be evaluated once, at capture), no gradient
+    accumulation or EMA (Keras branches on device values there), no loss
+    scaling (the same)."""
+    from kbert.training.optimizer import AdamW
+
+    lr = getattr(optimizer, "_learning_rate", None)
+    return (
+        isinstance(optimizer, AdamW)
+        and isinstance(lr, (keras.Variable, keras.optimizers.schedules.LearningRateSchedule))
+        and not optimizer.gradient_accumulation_steps
+        and not optimizer.use_ema
+    )
+
+
+def cuda_graph_supported(model):
+    """Whether `model.fit` can replay its training step as a CUDA graph."""
+    import torch
+
+    from keras.src.backend.torch.core import get_device
+
+    return (
+        torch.cuda.is_available()
+        and str(get_device()).startswith("cuda")
+        and model.optimizer is not None
+        and _graph_safe_optimizer(model.optimizer)
+    )
+
+
+class GraphedTrainStep:
+    """`train_step` captured once as a CUDA graph and replayed for every
+    later batch of the same shape, for the duration of one `fit`.
+
+    The eager step issues ~2,000 kernels through Keras' Python layers; on a
+    GPU the host cannot issue them as fast as the GPU runs them, so the step
+    is host-bound. A replay issues the whole step (forward, backward,
+    clipping, AdamW, metrics) in one call. It needs what `train_step`
+    already guarantees: no host-device synchronisation and state updated in
+    place (Keras' torch variables assign with `copy_`, the step counter adds
+    in place). Dropout draws from torch's default CUDA generator, which a
+    graph advances on every replay (fresh masks each step).
+
+    Lifetime: one `fit` (`Task.fit` makes it and drops it), so variables
+    cannot be re-created under it. The first `WARMUP` steps of a fit run
+    eagerly on the capture stream (optimizer slots and metric variables are
+    built, lazy CUDA state is made outside the graph), the next is captured
+    and replayed; a batch of another shape (the last partial batch) runs
+    eagerly. If capture fails, a warning says why and the fit goes on
+    eagerly.
+    """
+
+    WARMUP = 2
+
+    def __init__(self, model):
+        import torch
+
+        self.model = model
+        self.stream = torch.cuda.Stream()
+        self.graph = None
+        self.signature = None
+        self.static_inputs = None
+        self.static_logs = None
+        self.eager_steps = 0
+        self.replays = 0
+        self.failed = None  # why capture failed, if it did
+
+    def _eager_on_capture_stream(self, data):
+        import torch
+
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            logs = train_step(self.model, data)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return logs
+
+    def _capture(self, data):
+        import torch
+
+        signature = _signature(data)
+        static_inputs = to_device(data)
+        leaves = [v for v in keras.tree.flatten(static_inputs) if v is not None]
+        if not all(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves):
+            # e.g. float64 arrays, which Keras converts inside the step
+            return self._give_up("a batch holds arrays that are not integer or float32", data)
+        # Grads made inside the capture live in the graph's memory pool.
+        self.model.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        previous = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                static_logs = train_step(self.model, static_inputs)
+        except Exception as error:  # a step that cannot be captured trains eagerly
+            torch.cuda.set_stream(previous)  # a failed capture_end skips the stream's restore
+            self.model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            return self._give_up(f"{type(error).__name__}: {str(error)[:300]}", data)
+        self.graph, self.signature = graph, signature
+        self.static_inputs, self.static_logs = static_inputs, static_logs
+        graph.replay()  # capture records the step without running it
+        self.replays += 1
+        return static_logs
+
+    def _give_up(self, why, data):
+        self.failed = why
+        warnings.warn(
+            f"kbert: the training step could not be captured as a CUDA graph ({why}); this fit goes on "
+            "eagerly. compile(cuda_graph=False) skips the attempt."
+        )
+        return train_step(self.model, data)
+
+    def __call__(self, data):
+        if self.graph is not None and _signature(data) == self.signature:
+            keras.tree.map_structure(_copy_into, self.static_inputs, data)
+            self.graph.replay()
+            self.replays += 1
+            return self.static_logs
+        self.eager_steps += 1
+        if self.graph is not None or self.failed:
+            return train_step(self.model, data)
+        if self.eager_steps <= self.WARMUP:
+            return self._eager_on_capture_stream(data)
+        self.eager_steps -= 1  # the captured step is counted as a replay
+        return self._capture(data)
+
+    def stats(self):
+        """Replayed and eager steps of this fit, and why capture failed (or None)."""
+        return {"replays": self.replays, "eager_steps": self.eager_steps, "capture_failed": self.failed}
+
+
+def _copy_into(static, value):
+    import numpy as np
+    import torch
+
+    if static is None:
+        return None
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        value = value.pin_memory()
+    static.copy_(value, non_blocking=True)
+    return static

@@ -329,3 +329,68 @@ def test_torch_fit_makes_batches_on_the_host():
     with host_batches(force=True):
         history = model.fit(x, y, validation_data=(x, y), batch_size=2, epochs=1, verbose=0).history
     assert np.isfinite(history["loss"][0]) and np.isfinite(history["val_loss"][0])
+
+
+def _cuda():
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _pretrainer_pair(dropout):
+    """Two BertPreTrainers with the same weights, one fitting through a CUDA
+    graph and one eagerly."""
+    config = {**TINY, "dropout": dropout, "attention_dropout": 0.0}
+    models = [kbert.BertPreTrainer(kbert.BertBackbone(**config)) for _ in range(2)]
+    models[1].set_weights(models[0].get_weights())
+    return models
+
+
+@pytest.mark.skipif(not _cuda(), reason="CUDA graphs: torch backend on a GPU")
+def test_cuda_graph_fit_trains_as_the_eager_fit():
+    """fit replaying the captured step gives the weights the eager fit gives
+    (dropout 0, so both are deterministic), including a last partial batch,
+    which runs eagerly, and a second fit, which captures again."""
+    graphed, eager = _pretrainer_pair(dropout=0.0)
+    graphed.compile(optimizer=create_optimizer(1e-3, 100, 2))
+    eager.compile(optimizer=create_optimizer(1e-3, 100, 2), cuda_graph=False)
+    parts = [batch(seed=s) for s in range(4)]
+    x = {k: np.concatenate([p[0][k] for p in parts])[:14] for k in parts[0][0]}
+    y = {k: np.concatenate([p[1][k] for p in parts])[:14] for k in parts[0][1]}
+    for _ in range(2):
+        history = graphed.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history
+        reference = eager.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history
+        # 7 batches: 2 eager warm-up steps, the captured one, 4 replays
+        assert graphed.cuda_graph_stats == {"replays": 5, "eager_steps": 2, "capture_failed": None}
+        np.testing.assert_allclose(history["loss"], reference["loss"], rtol=1e-5)
+    assert int(graphed.optimizer.iterations.numpy()) == int(eager.optimizer.iterations.numpy()) == 14
+    for a, b in zip(graphed.get_weights(), eager.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+    # a partial last batch runs eagerly
+    graphed.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # 3 full batches and one of 2
+    assert graphed.cuda_graph_stats == {"replays": 1, "eager_steps": 3, "capture_failed": None}
+    graphed.fit({k: v[:13] for k, v in x.items()}, {k: v[:13] for k, v in y.items()}, batch_size=2, epochs=1,
+                shuffle=False, verbose=0)
+    assert graphed.cuda_graph_stats == {"replays": 4, "eager_steps": 3, "capture_failed": None}
+
+
+@pytest.mark.skipif(not _cuda(), reason="CUDA graphs: torch backend on a GPU")
+def test_cuda_graph_replays_draw_new_dropout_masks():
+    """With the learning rate at 0 and one batch repeated, the per-step loss
+    changes only through the dropout masks: a graph that froze its masks at
+    capture would repeat one loss."""
+    model, _ = _pretrainer_pair(dropout=0.3)
+    model.compile(optimizer=create_optimizer(0.0, 100, 0))
+    x, y = batch(seed=0)
+    repeat = 8
+    losses = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda step, logs: losses.append(float(logs["mlm_loss"])))
+    model.fit({k: np.concatenate([v] * repeat) for k, v in x.items()}, {k: np.concatenate([v] * repeat) for k, v in y.items()},
+              batch_size=len(y["mask_ids"]), epochs=1, shuffle=False, verbose=0, callbacks=[record])
+    assert model.cuda_graph_stats["replays"] == repeat - 2
+    # mlm_loss is a running mean: step k's own loss is k * m_k - (k - 1) * m_(k-1)
+    step_losses = [losses[0]] + [(k + 1) * losses[k] - k * losses[k - 1] for k in range(1, repeat)]
+    replayed = step_losses[2:]
+    assert len(set(np.round(replayed, 5))) == len(replayed), step_losses

@@ -32,7 +32,8 @@ CONFIGS = {
 # over all GPUs, per-GPU batch unchanged][-dpxla: the same with XLA's attention][-kerasbatches: torch, batches put on
 # the GPU by Keras' data adapters (blocking copies) as before host_batches][-nograph: torch,
 # every step eager instead of a CUDA graph replay][-cmdbuf / -nocmdbuf: XLA command buffers
-# (CUDA graphs) for every kind of op and any sequence length / none];
+# (CUDA graphs) for every kind of op and any sequence length / none][-nopad: JAX, MLM decoder
+# product on V = 30522 columns instead of a multiple of 64];
 # hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
@@ -109,6 +110,8 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
             import kbert.training.torch_step as torch_step
 
             torch_step.host_batches = lambda force=False: contextlib.nullcontext()
+    if "nopad" in options:  # A/B: the MLM decoder product on the unpadded vocabulary
+        kbert.layers.TokenEmbedding.REVERSE_PAD = 0
     if "dpxla" in options:  # A/B: the XLA attention path under the distribution
         import kbert.layers.fused as fused
 

@@ -70,6 +70,33 @@ def summarize(kernels, wall_s, steps):
     }
 
 
+def idle_gaps(intervals, steps):
+    """intervals: (start_ns, end_ns) of every kernel on every stream. The
+    time between busy periods (their union), per step, by gap length: many
+    short gaps are launch latency between kernels; a few long ones are the
+    host (or a transfer) holding the GPU back."""
+    intervals = sorted(intervals)
+    gaps = []
+    end = intervals[0][1] if intervals else 0
+    for start, stop in intervals[1:]:
+        if start > end:
+            gaps.append(start - end)
+        end = max(end, stop)
+    bins = (("<2us", 2e3), ("2-10us", 1e4), ("10-100us", 1e5), ("0.1-1ms", 1e6), (">1ms", float("inf")))
+    totals = {label: [0, 0.0] for label, _ in bins}
+    for gap in gaps:
+        label = next(label for label, limit in bins if gap < limit)
+        totals[label][0] += 1
+        totals[label][1] += gap
+    return {
+        "span_ms_per_step": (end - intervals[0][0]) / 1e6 / steps if intervals else 0.0,
+        "idle_ms_per_step": sum(gaps) / 1e6 / steps,
+        "by_length": {label: {"gaps_per_step": n / steps, "ms_per_step": ns / 1e6 / steps}
+                      for label, (n, ns) in totals.items()},
+        "longest_ms": [g / 1e6 for g in sorted(gaps, reverse=True)[:10]],
+    }
+
+
 def profile_jax(args, arch, t, b, p):
     import jax
     import keras
@@ -101,13 +128,14 @@ def profile_jax(args, arch, t, b, p):
     for plane in data.planes:
         if plane.name.startswith("/device:GPU:0"):
             for line in plane.lines:
-                lines[line.name] = [(e.name, e.duration_ns / 1e9) for e in line.events]
+                lines[line.name] = [(e.name, e.duration_ns / 1e9, e.start_ns, e.end_ns) for e in line.events]
     # Kernels are on the "Stream #..." lines; "XLA Ops" repeats the same time
     # per HLO op (fusion names), kept as a second view.
     kernels = [k for name, events in lines.items() if name.startswith("Stream") for k in events]
-    result = summarize(kernels, wall, args.steps)
+    result = summarize([k[:2] for k in kernels], wall, args.steps)
+    result["idle"] = idle_gaps([k[2:] for k in kernels], args.steps)
     if "XLA Ops" in lines:
-        result["xla_ops"] = summarize(lines["XLA Ops"], wall, args.steps)["top_kernels"]
+        result["xla_ops"] = summarize([k[:2] for k in lines["XLA Ops"]], wall, args.steps)["top_kernels"]
     result["gpu_lines"] = {name: len(events) for name, events in lines.items()}
     return result
 
@@ -206,6 +234,11 @@ def main():
         json.dump(result, f, indent=2)
     print(f"{args.backend} {args.config}: {result['wall_ms_per_step']:.1f} ms/step wall, "
           f"{result['gpu_busy_ms_per_step']:.1f} ms GPU busy")
+    if "idle" in result:
+        idle = result["idle"]
+        print(f"  idle between kernels {idle['idle_ms_per_step']:.2f} ms/step: " + ", ".join(
+            f"{k} {v['gaps_per_step']:.0f} gaps {v['ms_per_step']:.2f} ms" for k, v in idle["by_length"].items())
+            + f"; longest {[round(g, 2) for g in idle['longest_ms'][:5]]} ms")
     for k, v in result["by_category_ms_per_step"].items():
         print(f"  {k:28s} {v:7.2f} ms")
     for k in result["top_kernels"][:15]:

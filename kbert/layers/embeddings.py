@@ -35,10 +35,24 @@ class TokenEmbedding(keras.layers.Embedding):
     (2, 3, 10)
     """
 
+    # JAX: the reverse product runs on a table padded to a multiple of this
+    # many rows (0 or 1: no padding).
+    REVERSE_PAD = 64
+
     def call(self, inputs, reverse=False):
         if not reverse:
             return super().call(inputs)
         table = ops.cast(self.embeddings, self.compute_dtype)
+        pad = -self.input_dim % self.REVERSE_PAD if self.REVERSE_PAD > 1 and keras.backend.backend() == "jax" else 0
+        if pad:
+            # A product whose output rows are not a multiple of 8 elements
+            # (V = 30522) leaves every operand of the forward and both
+            # backward products misaligned for the GPU's tensor-core
+            # kernels; zero rows pad V, the slice drops their columns. XLA
+            # fuses the pad into the cast above and the slice into the
+            # consumers, so no copy is added.
+            table = ops.pad(table, ((0, pad), (0, 0)))
+            return ops.matmul(inputs, ops.transpose(table))[..., : self.input_dim]
         return ops.matmul(inputs, ops.transpose(table))  # (B, ..., V)
 
     def compute_output_shape(self, input_shape, reverse=False):

@@ -250,6 +250,45 @@ def test_embedding_sum_gradient_is_autodiff_of_the_plain_sum():
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocabulary", [97, 128])
+def test_reverse_embedding_product_and_gradient_are_unchanged_by_padding(vocabulary, monkeypatch):
+    """TokenEmbedding(reverse=True) pads the table to a multiple of
+    REVERSE_PAD rows on JAX (tensor-core alignment): logits keep V columns
+    and equal the unpadded product; the table's gradient too."""
+    from kbert.layers import TokenEmbedding
+
+    layer = TokenEmbedding(vocabulary, 16)
+    layer.build((None,))
+    layer.embeddings.assign(np.random.default_rng(5).normal(size=(vocabulary, 16)).astype("float32"))
+    x = np.random.default_rng(6).normal(size=(3, 4, 16)).astype("float32")
+    table = keras.ops.convert_to_numpy(layer.embeddings)
+    padded = keras.ops.convert_to_numpy(layer(x, reverse=True))
+    assert padded.shape == (3, 4, vocabulary)
+    np.testing.assert_allclose(padded, x @ table.T, atol=1e-5)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def table_gradient(pad):
+            return jax.grad(lambda t: (_reverse_with(layer, t, pad, x) ** 2).sum())(table)
+
+        np.testing.assert_allclose(table_gradient(64), table_gradient(0), atol=1e-4, rtol=1e-5)
+        with pytest.raises(AssertionError):  # the check sees a wrong gradient
+            np.testing.assert_allclose(table_gradient(64), 1.01 * table_gradient(0), atol=1e-4, rtol=1e-5)
+
+
+def _reverse_with(layer, table, pad, x):
+    """layer(x, reverse=True) with `table` in place of its variable and REVERSE_PAD = pad."""
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    original = type(layer).REVERSE_PAD
+    type(layer).REVERSE_PAD = pad
+    try:
+        with StatelessScope(state_mapping=[(layer.embeddings, table)]):
+            return layer(x, reverse=True)
+    finally:
+        type(layer).REVERSE_PAD = original
+
+
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="the oneDNN path is torch's CPU inference")
 def test_torch_cpu_inference_path_is_exact_and_follows_weight_updates():
     import torch

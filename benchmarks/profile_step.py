@@ -71,17 +71,20 @@ def summarize(kernels, wall_s, steps):
 
 
 def idle_gaps(intervals, steps):
-    """intervals: (start_ns, end_ns) of every kernel on every stream. The
+    """intervals: (start_ns, end_ns[, name]) of every kernel on every stream. The
     time between busy periods (their union), per step, by gap length: many
     short gaps are launch latency between kernels; a few long ones are the
     host (or a transfer) holding the GPU back."""
     intervals = sorted(intervals)
-    gaps = []
+    gaps, around = [], []
     end = intervals[0][1] if intervals else 0
-    for start, stop in intervals[1:]:
+    last = intervals[0][2:] if intervals else ()
+    for start, stop, *name in intervals[1:]:
         if start > end:
             gaps.append(start - end)
-        end = max(end, stop)
+            around.append((start - end, last, tuple(name)))
+        if stop >= end:
+            end, last = stop, tuple(name)
     bins = (("<2us", 2e3), ("2-10us", 1e4), ("10-100us", 1e5), ("0.1-1ms", 1e6), (">1ms", float("inf")))
     totals = {label: [0, 0.0] for label, _ in bins}
     for gap in gaps:
@@ -94,6 +97,9 @@ def idle_gaps(intervals, steps):
         "by_length": {label: {"gaps_per_step": n / steps, "ms_per_step": ns / 1e6 / steps}
                       for label, (n, ns) in totals.items()},
         "longest_ms": [g / 1e6 for g in sorted(gaps, reverse=True)[:10]],
+        # between which kernels the GPU waits 0.1-1 ms (the fit's start and end are longer)
+        "waits": [{"ms": g / 1e6, "after": a[0][:100] if a else "", "before": b[0][:100] if b else ""}
+                  for g, a, b in sorted(around, reverse=True) if 1e5 <= g < 1e6][:40],
     }
 
 
@@ -125,7 +131,14 @@ def profile_jax(args, arch, t, b, p):
     paths = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs if f.endswith(".xplane.pb")]
     data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
     lines = {}
+    host = collections.Counter()
+    host_calls = collections.Counter()
     for plane in data.planes:
+        if plane.name.startswith("/host:CPU"):  # what the host spends its time in (blocking waits show here)
+            for line in plane.lines:
+                for e in line.events:
+                    host[(line.name[:40], e.name[:120])] += e.duration_ns / 1e6
+                    host_calls[(line.name[:40], e.name[:120])] += 1
         if plane.name.startswith("/device:GPU:0"):
             for line in plane.lines:
                 lines[line.name] = [(e.name, e.duration_ns / 1e9, e.start_ns, e.end_ns) for e in line.events]
@@ -133,10 +146,13 @@ def profile_jax(args, arch, t, b, p):
     # per HLO op (fusion names), kept as a second view.
     kernels = [k for name, events in lines.items() if name.startswith("Stream") for k in events]
     result = summarize([k[:2] for k in kernels], wall, args.steps)
-    result["idle"] = idle_gaps([k[2:] for k in kernels], args.steps)
+    result["idle"] = idle_gaps([(k[2], k[3], k[0]) for k in kernels], args.steps)
     if "XLA Ops" in lines:
         result["xla_ops"] = summarize([k[:2] for k in lines["XLA Ops"]], wall, args.steps)["top_kernels"]
     result["gpu_lines"] = {name: len(events) for name, events in lines.items()}
+    result["host_top_ms_per_step"] = [
+        {"thread": k[0], "event": k[1], "ms_per_step": v / args.steps, "calls_per_step": host_calls[k] / args.steps}
+        for k, v in host.most_common(40)]
     return result
 
 

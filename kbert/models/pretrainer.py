@@ -80,7 +80,11 @@ class _PreTrainingTask(Task):
         own = [self.mlm_loss_tracker, self.mlm_accuracy]
         if self.with_nsp:
             own += [self.nsp_loss_tracker, self.nsp_accuracy]
-        return super().metrics + own
+        # Keras already lists metrics set as attributes once built; listed
+        # twice, their variables would be twice in the JAX state (one
+        # buffer donated twice to the scanned step).
+        listed = super().metrics
+        return listed + [m for m in own if not any(m is other for other in listed)]
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         missing = [k for k in self._target_names() if k not in (y or {})]

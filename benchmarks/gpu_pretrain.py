@@ -33,8 +33,7 @@ CONFIGS = {
 # the GPU by Keras' data adapters (blocking copies) as before host_batches][-nograph: torch,
 # every step eager instead of a CUDA graph replay][-cmdbuf / -nocmdbuf: XLA command buffers
 # (CUDA graphs) for every kind of op and any sequence length / none][-nopad: JAX, MLM decoder
-# product on V = 30522 columns instead of a multiple of 64][-noscan: JAX, Keras' Python loop
-# of single-step calls instead of one scan per execution];
+# product on V = 30522 columns instead of a multiple of 64];
 # hf-eager / hf-compile.
 VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
 VOCAB = 30522
@@ -111,10 +110,6 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
             import kbert.training.torch_step as torch_step
 
             torch_step.host_batches = lambda force=False: contextlib.nullcontext()
-    if "noscan" in options:  # A/B: Keras' loop of single-step calls for steps_per_execution
-        import kbert.training.jax_step as jax_step
-
-        jax_step.scanned_steps_supported = lambda model: False
     if "nopad" in options:  # A/B: the MLM decoder product on the unpadded vocabulary
         kbert.layers.TokenEmbedding.REVERSE_PAD = 0
     if "dpxla" in options:  # A/B: the XLA attention path under the distribution

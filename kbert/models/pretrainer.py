@@ -81,8 +81,8 @@ class _PreTrainingTask(Task):
         if self.with_nsp:
             own += [self.nsp_loss_tracker, self.nsp_accuracy]
         # Keras already lists metrics set as attributes once built; listed
-        # twice, their variables would be twice in the JAX state (one
-        # buffer donated twice to the scanned step).
+        # twice, their variables are twice in the JAX train state, and a
+        # jitted step that donates the state gets one buffer twice.
         listed = super().metrics
         return listed + [m for m in own if not any(m is other for other in listed)]
 

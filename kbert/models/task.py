@@ -303,16 +303,6 @@ class Task(PresetMixin, keras.Model):
             return
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
-    def make_train_function(self, force=False):
-        from kbert.training.jax_step import scanned_steps_supported, scanned_train_function
-
-        if not scanned_steps_supported(self):
-            return super().make_train_function(force)
-        # JAX: the steps of one execution as one program (see jax_step).
-        if self.train_function is None or force:
-            self.train_function = scanned_train_function(self)
-        return self.train_function
-
     def _sync_free_torch_step(self):
         """Whether fit runs kbert.training.torch_step's step: torch, eager
         (with jit_compile, torch.compile traces Keras' own step)."""

@@ -67,6 +67,9 @@ def test_fit_reports_metrics_and_is_finite_with_padding_rows(model):
     for key in ("loss", "mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy"):
         assert key in history and all(np.isfinite(history[key]))
     assert history["loss"][1] < history["loss"][0]
+    # each metric (and so each metric variable of the train state) once
+    assert len(model.metrics) == len({id(m) for m in model.metrics}) == 5
+    assert len(model.metrics_variables) == len({id(v) for v in model.metrics_variables})
 
 
 def test_missing_targets_raise(model):

@@ -394,38 +394,3 @@ def test_cuda_graph_replays_draw_new_dropout_masks():
     step_losses = [losses[0]] + [(k + 1) * losses[k] - k * losses[k - 1] for k in range(1, repeat)]
     replayed = step_losses[2:]
     assert len(set(np.round(replayed, 5))) == len(replayed), step_losses
-
-
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the scanned steps are the JAX trainer's")
-def test_jax_steps_per_execution_scan_trains_as_single_steps():
-    """With steps_per_execution > 1 the JAX train function runs each full
-    execution as one scan over its batches (kbert.training.jax_step); an
-    execution with fewer or unequal batches runs them one at a time. The
-    weights, logs and step count equal those of one step per execution,
-    dropout included (same seeds in the same order)."""
-    from kbert.training.jax_step import scanned_steps_supported
-
-    parts = [batch(seed=s) for s in range(4)]
-    x = {k: np.concatenate([p[0][k] for p in parts])[:13] for k in parts[0][0]}
-    y = {k: np.concatenate([p[1][k] for p in parts])[:13] for k in parts[0][1]}
-    config = {**TINY, "dropout": 0.1, "attention_dropout": 0.1}
-    models, histories = [], []
-    for spe in (1, 3):
-        keras.utils.set_random_seed(7)  # the dropout layers draw their seeds when built
-        model = kbert.BertPreTrainer(kbert.BertBackbone(**config))
-        initial = initial if models else model.get_weights()
-        model.set_weights(initial)
-        models.append(model)
-        model.compile(optimizer=create_optimizer(1e-3, 100, 2), steps_per_execution=spe)
-        # 7 batches per epoch (the last of 1 sample): with 3 per execution,
-        # two scans and a lone step
-        histories.append(model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0).history)
-    assert scanned_steps_supported(models[1]) and not scanned_steps_supported(models[0])
-    assert "scanned_train_function" in models[1].train_function.__qualname__
-    assert int(models[0].optimizer.iterations.numpy()) == int(models[1].optimizer.iterations.numpy()) == 14
-    for name in histories[0]:
-        np.testing.assert_allclose(histories[1][name], histories[0][name], rtol=1e-5)
-    for a, b in zip(models[0].get_weights(), models[1].get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6)
-    logs = models[1].train_on_batch(*batch(seed=9), return_dict=True)
-    assert np.isfinite(logs["loss"]) and int(models[1].optimizer.iterations.numpy()) == 15

@@ -394,3 +394,35 @@ def test_cuda_graph_replays_draw_new_dropout_masks():
     step_losses = [losses[0]] + [(k + 1) * losses[k] - k * losses[k - 1] for k in range(1, repeat)]
     replayed = step_losses[2:]
     assert len(set(np.round(replayed, 5))) == len(replayed), step_losses
+
+
+@pytest.mark.skipif(not _cuda(), reason="CUDA graphs: torch backend on a GPU")
+@pytest.mark.parametrize("task", ["classifier", "frozen_classifier", "token_classifier"])
+def test_cuda_graph_fine_tuning_trains_as_the_eager_fit(task):
+    """The fine-tuning tasks (compile metrics, sample weights, a frozen
+    backbone) train the same through the replayed graph as eagerly."""
+    from tests import harness
+
+    x = harness.backbone_inputs(batch=12, length=10, seed=3)
+    rng = np.random.default_rng(3)
+    targets = {"y": rng.integers(0, 3, (12, 10) if task == "token_classifier" else (12,))}
+    if task == "token_classifier":
+        targets["sample_weight"] = x["padding_mask"].astype("float32")
+    models = []
+    for graph in (True, False):
+        keras.utils.set_random_seed(11)
+        backbone = kbert.BertBackbone(**{**TINY, "dropout": 0.0, "attention_dropout": 0.0})
+        if task == "token_classifier":
+            model = kbert.BertTokenClassifier(backbone, num_classes=3)
+        else:
+            model = kbert.BertClassifier(backbone, num_classes=3, freeze_backbone=task == "frozen_classifier")
+        model.compile(learning_rate=1e-3, cuda_graph=graph)
+        history = model.fit(x, **targets, batch_size=2, epochs=2, shuffle=False, verbose=0).history
+        models.append((model, history))
+    (graphed, history), (eager, reference) = models
+    # 2 epochs of 6 batches: 2 eager warm-up steps, the captured one, 9 replays
+    assert graphed.cuda_graph_stats == {"replays": 10, "eager_steps": 2, "capture_failed": None}
+    for name in reference:
+        np.testing.assert_allclose(history[name], reference[name], rtol=1e-5, atol=1e-6)
+    for a, b in zip(graphed.get_weights(), eager.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)

@@ -208,7 +208,8 @@ class Task(PresetMixin, keras.Model):
             from kbert.training.torch_step import GraphedTrainStep, cuda_graph_supported, host_batches
 
             batches = host_batches()
-            if getattr(self, "cuda_graph", True) and cuda_graph_supported(self):
+            graph = getattr(self, "cuda_graph", "auto")
+            if graph and cuda_graph_supported(self, force=graph is True):
                 self._graphed_step = GraphedTrainStep(self)
         try:
             with batches:
@@ -261,16 +262,23 @@ class Task(PresetMixin, keras.Model):
         return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
     def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
-                cuda_graph=True, **kwargs):
+                cuda_graph="auto", **kwargs):
         """Fine-tuning defaults: AdamW (weight decay 0.01, none on LayerNorm
         and biases, global-norm clipping 1.0) at `learning_rate`, with 10%
         linear warm-up and linear decay when `num_train_steps` is given.
 
         `cuda_graph`: on the torch backend with a GPU and kbert's AdamW,
         `fit` captures its training step as a CUDA graph and replays it
-        (`kbert.training.torch_step.GraphedTrainStep`); False keeps every
-        step eager. No effect elsewhere."""
-        self.cuda_graph = bool(cuda_graph)
+        (`kbert.training.torch_step.GraphedTrainStep`). "auto": only when
+        the step runs no code of yours (losses and metrics given as strings
+        or Keras/kbert objects, no overridden `compute_loss`, `train_step`,
+        `compute_metrics` or `call`), since a replay does not rerun Python:
+        code that reads Python state changing between steps would see it
+        frozen at capture. True: also with your code (it must compute from
+        its tensors only). False: every step eager. No effect elsewhere."""
+        if cuda_graph not in ("auto", True, False):
+            raise ValueError(f'cuda_graph must be "auto", True or False; got {cuda_graph!r}')
+        self.cuda_graph = cuda_graph
         from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
 
         if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):

@@ -63,9 +63,71 @@ def to_device(data):
     return keras.tree.map_structure(lambda v: _device_copy(v, device), data)
 
 
+def device_constant(convert, value, dtype, device):
+    """`convert(value, dtype)` (Keras' torch `convert_to_tensor`) for a
+    Python number or a short tuple of them, made on `device` by fill
+    kernels (the number is a kernel argument) instead of a host-to-device
+    copy: same values and dtype, no stream synchronisation, and capturable
+    in a CUDA graph."""
+    import torch
+
+    with keras.device("cpu"):
+        host = convert(value, dtype=dtype)
+    if host.ndim == 0:
+        return torch.full((), host.item(), dtype=host.dtype, device=device)
+    return torch.stack([torch.full((), v, dtype=host.dtype, device=device) for v in host.tolist()])
+
+
+def _is_constant(value):
+    number = (bool, int, float)
+    if isinstance(value, number):
+        return True
+    return isinstance(value, (tuple, list)) and 0 < len(value) <= 8 and all(isinstance(v, number) for v in value)
+
+
+@contextlib.contextmanager
+def constants_on_device():
+    """Within the block, Keras' torch backend makes the Python numbers it
+    converts (Keras' loss reduction divides by the batch shape, `Mean`
+    metrics count samples, ...) on the GPU with `device_constant` instead of
+    copying them from pageable host memory, which waits for the stream."""
+    import sys
+
+    import torch
+
+    from keras.src.backend.torch import core
+
+    original = core.convert_to_tensor
+    device = torch.device(core.get_device())
+    if device.type != "cuda":
+        yield
+        return
+
+    def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
+        if _is_constant(x) and str(core.get_device()).startswith("cuda"):
+            return device_constant(original, x, dtype, device)
+        return original(x, dtype=dtype, sparse=sparse, ragged=ragged)
+
+    # every torch backend module that imported the function by name
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("keras.src.backend.torch") and getattr(m, "convert_to_tensor", None) is original]
+    for module in modules:
+        module.convert_to_tensor = convert_to_tensor
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.convert_to_tensor = original
+
+
 def train_step(model, data):
     """Keras' torch `train_step` (same order, same losses and metrics),
     with no host-device synchronisation of its own."""
+    with constants_on_device():
+        return _train_step(model, data)
+
+
+def _train_step(model, data):
     import torch
 
     data = to_device(data)
@@ -225,8 +287,39 @@ def _graph_safe_optimizer(optimizer):
     )
 
 
-def cuda_graph_supported(model):
-    """Whether `model.fit` can replay its training step as a CUDA graph."""
+def _defined_by_keras_or_kbert(obj):
+    """A loss/metric spec made only of strings and of functions or objects
+    whose class Keras or kbert defines: pure functions of their tensors, so
+    a replay computes what a fresh call would."""
+    import types
+
+    if obj is None or isinstance(obj, str):
+        return True
+    if isinstance(obj, dict):
+        return all(_defined_by_keras_or_kbert(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_defined_by_keras_or_kbert(v) for v in obj)
+    module = obj.__module__ if isinstance(obj, types.FunctionType) else type(obj).__module__
+    return (module or "").startswith(("keras.", "kbert."))
+
+
+def user_code_in_step(model):
+    """Whether the training step runs code of the user's (a loss, a metric,
+    an overridden `compute_loss`/`train_step`/`compute_metrics`): a graph
+    would freeze whatever Python state such code reads at capture."""
+    compiled = []
+    if getattr(model, "_compile_loss", None) is not None:
+        compiled.append(model._compile_loss._user_loss)
+    if getattr(model, "_compile_metrics", None) is not None:
+        compiled += [model._compile_metrics._user_metrics, model._compile_metrics._user_weighted_metrics]
+    methods = [getattr(type(model), name) for name in ("compute_loss", "train_step", "compute_metrics", "call")]
+    return not _defined_by_keras_or_kbert(compiled) or not all(
+        (m.__module__ or "").startswith(("keras.", "kbert.")) for m in methods)
+
+
+def cuda_graph_supported(model, force=False):
+    """Whether `model.fit` can replay its training step as a CUDA graph: a
+    GPU, kbert's AdamW, and (unless `force`) no user code in the step."""
     import torch
 
     from keras.src.backend.torch.core import get_device
@@ -236,6 +329,7 @@ def cuda_graph_supported(model):
         and str(get_device()).startswith("cuda")
         and model.optimizer is not None
         and _graph_safe_optimizer(model.optimizer)
+        and (force or not user_code_in_step(model))
     )
 
 

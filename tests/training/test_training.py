@@ -426,3 +426,55 @@ def test_cuda_graph_fine_tuning_trains_as_the_eager_fit(task):
         np.testing.assert_allclose(history[name], reference[name], rtol=1e-5, atol=1e-6)
     for a, b in zip(graphed.get_weights(), eager.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="Keras' torch convert_to_tensor")
+def test_device_constants_equal_keras_conversions():
+    """Python numbers that Keras' torch backend converts in a step are made
+    by fill kernels on the GPU (`constants_on_device`); values and dtypes
+    are those of Keras' own conversion."""
+    import torch
+    from keras.src.backend.torch import core
+
+    from kbert.training.torch_step import device_constant
+
+    for value in (3, 2.5, True, (4,), (2, 3), [1.0, 2.5], 1e-7):
+        for dtype in (None, "float32", "int32"):
+            want = core.convert_to_tensor(value, dtype=dtype)
+            got = device_constant(core.convert_to_tensor, value, dtype, torch.device("cpu"))
+            assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (value, dtype)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="the CUDA graph choice is the torch backend's")
+def test_cuda_graph_auto_skips_steps_with_user_code():
+    """With cuda_graph="auto", a step that runs user code (a loss or metric
+    function, an overridden compute_loss) stays eager: a replay would not
+    rerun its Python."""
+    from kbert.training.torch_step import user_code_in_step
+
+    def backbone():
+        return kbert.BertBackbone(**TINY)
+
+    model = kbert.BertClassifier(backbone(), num_classes=2)
+    model.compile()
+    assert not user_code_in_step(model)
+    model.compile(metrics=["accuracy", keras.metrics.AUC()])
+    assert not user_code_in_step(model)
+    model.compile(loss=lambda y, p: keras.ops.mean(p))
+    assert user_code_in_step(model)
+    model.compile(metrics=[lambda y, p: keras.ops.mean(p)])
+    assert user_code_in_step(model)
+
+    class Custom(kbert.BertClassifier):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs)
+
+    custom = Custom(backbone(), num_classes=2)
+    custom.compile()
+    assert user_code_in_step(custom)
+    pretrainer = kbert.BertPreTrainer(backbone())
+    pretrainer.compile()
+    assert not user_code_in_step(pretrainer)
+    with pytest.raises(ValueError, match="cuda_graph"):
+        pretrainer.compile(cuda_graph="yes")

@@ -441,7 +441,7 @@ def test_device_constants_equal_keras_conversions():
     for value in (3, 2.5, True, (4,), (2, 3), [1.0, 2.5], 1e-7):
         for dtype in (None, "float32", "int32"):
             want = core.convert_to_tensor(value, dtype=dtype)
-            got = device_constant(core.convert_to_tensor, value, dtype, torch.device("cpu"))
+            got = device_constant(core.convert_to_tensor, value, dtype, torch.device(core.get_device()))
             assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (value, dtype)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 

@@ -20,10 +20,18 @@ as Keras (a test compares against a NumPy AdamW; another records every
 constant conversion in a step: none). Used by `Task.train_step`/`fit` and
 `kbert.training.AdamW` only when the backend is torch.
 
-On an H100, with the other torch changes of the same session (multi-tensor
-clipping, `kbert.layers.fused.sublayer_call`, the MLM loss on 2-D rows), a
-BERT-base 128 x 256 step went from 2,037 to 2,787 sequences/s (transformers
-eager: 2,493 on the same machine) and a 512 x 32 step from 204 to 465-482
+Python numbers that Keras' own loss reduction and `Mean` metrics convert
+inside the step are made on the GPU by fill kernels (`constants_on_device`).
+
+On a GPU, `Task.fit` replays this step as a CUDA graph (`GraphedTrainStep`):
+possible only because the step has no synchronisation and updates its state
+in place. H100, BERT-base 128 x 256: 2,495 -> 3,275 sequences/s; 512 x 32:
+442 -> 691 (`benchmarks/results/gpu_pretrain_h100_s6.json`, call S6-1).
+
+Before the graph (session 5), with the other torch changes of that session
+(multi-tensor clipping, `kbert.layers.fused.sublayer_call`, the MLM loss on
+2-D rows), the eager BERT-base 128 x 256 step went from 2,037 to 2,787
+sequences/s and the 512 x 32 step from 204 to 465-482
 (`benchmarks/results/gpu_pretrain_h100_s5.json`).
 """
 

@@ -330,10 +330,12 @@ class Task(PresetMixin, keras.Model):
 
     def test_step(self, *args, **kwargs):
         if keras.backend.backend() == "torch":
-            # Validation inside fit gets host batches too (see fit).
-            from kbert.training.torch_step import to_device
+            # Validation inside fit gets host batches too (see fit), and
+            # Keras' loss and metric constants are made on the device.
+            from kbert.training.torch_step import constants_on_device, to_device
 
-            args = to_device(args)
+            with constants_on_device():
+                return super().test_step(*to_device(args), **kwargs)
         return _multi_worker_logs(self, super().test_step(*args, **kwargs))
 
     def compile_from_config(self, config):

@@ -6,9 +6,11 @@ H hidden (= N * D).
 Two paths compute the same function:
 - fused: `kbert.layers.fused` (cuDNN flash attention on JAX+GPU,
   PyTorch SDPA on torch, XLA elsewhere), used whenever no attention-probability dropout is
-  active, i.e. at inference and when training with `attention_dropout=0`;
+  active, i.e. at inference and when training with `attention_dropout=0`,
+  and on torch also with it (SDPA drops attention probabilities itself);
 - explicit: softmax(QK^T / sqrt(D)) with dropout on the probabilities, the
-  paper's recipe, used when training with `attention_dropout > 0`.
+  paper's recipe, used when training with `attention_dropout > 0` on JAX
+  and TensorFlow.
 `attention_path(training)` says which one a call takes.
 """
 
@@ -75,7 +77,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     def attention_path(self, training=None):
         """'fused' or 'explicit': the attention path a call with `training` takes."""
-        return "explicit" if (training and self.attention_dropout > 0) else "fused"
+        dropping = training and self.attention_dropout > 0
+        return "explicit" if dropping and keras.backend.backend() != "torch" else "fused"
 
     def call(self, inputs, padding_mask, training=None):
         batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
@@ -85,7 +88,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
         scale = 1.0 / math.sqrt(self.head_dim)
         if self.attention_path(training) == "fused":
-            context = fused_attention(query, key, value, padding_mask, scale)  # (B, T, N, D)
+            dropout = self.attention_dropout if training else 0.0
+            context = fused_attention(query, key, value, padding_mask, scale, dropout)  # (B, T, N, D)
         else:
             keep = ops.cast(padding_mask, "bool")
             # A row with no real token would softmax over nothing (NaN); let

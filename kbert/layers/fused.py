@@ -261,8 +261,12 @@ def fused_attention_path(dtype="bfloat16"):
     return "torch-sdpa" if keras.backend.backend() == "torch" else f"keras-{keras.backend.backend()}"
 
 
-def fused_attention(query, key, value, padding_mask, scale):
-    """query/key/value (B, T, N, D); padding_mask (B, S) -> (B, T, N, D)."""
+def fused_attention(query, key, value, padding_mask, scale, dropout=0.0):
+    """query/key/value (B, T, N, D); padding_mask (B, S) -> (B, T, N, D).
+    `dropout` (torch only): inverted dropout on the attention probabilities,
+    applied by SDPA."""
+    if dropout and keras.backend.backend() != "torch":
+        raise ValueError("fused_attention applies attention dropout on torch only")
     keep = ops.cast(padding_mask, "bool")
     if _jax_gpu() and keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16"):
         return _jax_cudnn(query, key, value, keep, scale)
@@ -271,15 +275,16 @@ def fused_attention(query, key, value, padding_mask, scale):
     empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
     keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
     if keras.backend.backend() == "torch":
-        return _torch_sdpa(query, key, value, keep, scale)
+        return _torch_sdpa(query, key, value, keep, scale, dropout)
     return ops.dot_product_attention(query, key, value, mask=keep, scale=scale)
 
 
-def _torch_sdpa(query, key, value, keep, scale):
+def _torch_sdpa(query, key, value, keep, scale, dropout=0.0):
     import torch
 
     q, k, v = (ops.convert_to_tensor(t).transpose(1, 2) for t in (query, key, value))  # (B, N, T, D)
-    context = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+    context = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale,
+                                                                dropout_p=float(dropout))
     return context.transpose(1, 2)  # (B, T, N, D)
 
 

@@ -384,3 +384,23 @@ def test_attention_under_data_parallel_pins_batch_shards():
     proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_ATTENTION], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_attention_dropout_is_unbiased_on_every_path():
+    """Training with attention dropout (explicit softmax + dropout on JAX and
+    TensorFlow; SDPA's own dropout on torch): outputs change from draw to
+    draw, and their mean over many draws is the output without dropout
+    (inverted dropout on the probabilities keeps the expectation)."""
+    from kbert.layers.attention import MultiHeadSelfAttention
+
+    layer = MultiHeadSelfAttention(num_heads=2, hidden_dim=8, attention_dropout=0.5)
+    x = np.random.default_rng(8).normal(size=(2, 6, 8)).astype("float32")
+    mask = np.array([[1] * 6, [1] * 4 + [0] * 2], "int32")
+    layer(x, mask)
+    want = keras.ops.convert_to_numpy(layer(x, mask, training=False))
+    draws = np.stack([keras.ops.convert_to_numpy(layer(x, mask, training=True)) for _ in range(1500)])
+    assert layer.attention_path(True) == ("fused" if keras.backend.backend() == "torch" else "explicit")
+    assert np.abs(draws[0] - draws[1]).max() > 1e-3  # masks differ between calls
+    assert np.abs(draws[0] - want).max() > 1e-3
+    spread = draws.std(axis=0).max()
+    np.testing.assert_allclose(draws.mean(axis=0), want, atol=5 * spread / np.sqrt(len(draws)))

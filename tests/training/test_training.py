@@ -339,10 +339,10 @@ def _cuda():
     return torch.cuda.is_available()
 
 
-def _pretrainer_pair(dropout):
+def _pretrainer_pair(dropout, attention_dropout=0.0):
     """Two BertPreTrainers with the same weights, one fitting through a CUDA
     graph and one eagerly."""
-    config = {**TINY, "dropout": dropout, "attention_dropout": 0.0}
+    config = {**TINY, "dropout": dropout, "attention_dropout": attention_dropout}
     models = [kbert.BertPreTrainer(kbert.BertBackbone(**config)) for _ in range(2)]
     models[1].set_weights(models[0].get_weights())
     return models
@@ -381,7 +381,7 @@ def test_cuda_graph_replays_draw_new_dropout_masks():
     """With the learning rate at 0 and one batch repeated, the per-step loss
     changes only through the dropout masks: a graph that froze its masks at
     capture would repeat one loss."""
-    model, _ = _pretrainer_pair(dropout=0.3)
+    model, _ = _pretrainer_pair(dropout=0.3, attention_dropout=0.3)  # SDPA's dropout too
     model.compile(optimizer=create_optimizer(0.0, 100, 0))
     x, y = batch(seed=0)
     repeat = 8

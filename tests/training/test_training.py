@@ -359,12 +359,13 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
     parts = [batch(seed=s) for s in range(4)]
     x = {k: np.concatenate([p[0][k] for p in parts])[:14] for k in parts[0][0]}
     y = {k: np.concatenate([p[1][k] for p in parts])[:14] for k in parts[0][1]}
-    for _ in range(2):
-        history = graphed.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history
-        reference = eager.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0).history
+    for _ in range(2):  # with validation: the torch test_step makes Keras' constants on the device too
+        history = graphed.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)).history
+        reference = eager.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)).history
         # 7 batches: 2 eager warm-up steps, the captured one, 4 replays
         assert graphed.cuda_graph_stats == {"replays": 5, "eager_steps": 2, "capture_failed": None}
         np.testing.assert_allclose(history["loss"], reference["loss"], rtol=1e-5)
+        np.testing.assert_allclose(history["val_loss"], reference["val_loss"], rtol=1e-5)
     assert int(graphed.optimizer.iterations.numpy()) == int(eager.optimizer.iterations.numpy()) == 14
     for a, b in zip(graphed.get_weights(), eager.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
@@ -417,7 +418,8 @@ def test_cuda_graph_fine_tuning_trains_as_the_eager_fit(task):
         else:
             model = kbert.BertClassifier(backbone, num_classes=3, freeze_backbone=task == "frozen_classifier")
         model.compile(learning_rate=1e-3, cuda_graph=graph)
-        history = model.fit(x, **targets, batch_size=2, epochs=2, shuffle=False, verbose=0).history
+        history = model.fit(x, **targets, batch_size=2, epochs=2, shuffle=False, verbose=0,
+                            validation_data=(x, *targets.values())).history
         models.append((model, history))
     (graphed, history), (eager, reference) = models
     # 2 epochs of 6 batches: 2 eager warm-up steps, the captured one, 9 replays

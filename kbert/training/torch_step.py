@@ -41,23 +41,29 @@ import warnings
 import keras
 
 
+def _host_tensor(value):
+    """A host array as a CPU tensor (integer and float32 arrays; float64 is
+    left to Keras, which converts it to floatx), or None if it is not one."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, np.ndarray) and (value.dtype.kind in "biu" or value.dtype == np.float32):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        return value
+    return None
+
+
 def _device_copy(value, device):
     """A CPU tensor onto `device` from pinned memory, without blocking the
     host (torch's caching host allocator keeps the pinned buffer alive until
     the copy has run)."""
-    import numpy as np
-    import torch
-
-    if device.type == "cpu":
+    host = _host_tensor(value) if device.type != "cpu" else None
+    if host is None:
         return value
-    # float64 is left to Keras, which converts it to floatx.
-    if isinstance(value, np.ndarray) and (value.dtype.kind in "biu" or value.dtype == np.float32):
-        value = torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-        if device.type == "cuda":
-            return value.pin_memory().to(device, non_blocking=True)
-        return value.to(device)
-    return value
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def to_device(data):
@@ -329,8 +335,7 @@ def user_code_in_step(model):
     if getattr(model, "_compile_metrics", None) is not None:
         compiled += [model._compile_metrics._user_metrics, model._compile_metrics._user_weighted_metrics]
     methods = [getattr(type(model), name) for name in ("compute_loss", "train_step", "compute_metrics", "call")]
-    return not _defined_by_keras_or_kbert(compiled) or not all(
-        (m.__module__ or "").startswith(("keras.", "kbert.")) for m in methods)
+    return not _defined_by_keras_or_kbert(compiled + methods)
 
 
 def cuda_graph_supported(model, force=False):
@@ -424,6 +429,7 @@ class GraphedTrainStep:
 
     def _give_up(self, why, data):
         self.failed = why
+        self.eager_steps += 1
         warnings.warn(
             f"kbert: the training step could not be captured as a CUDA graph ({why}); this fit goes on "
             "eagerly. compile(cuda_graph=False) skips the attempt."
@@ -436,13 +442,13 @@ class GraphedTrainStep:
             self.graph.replay()
             self.replays += 1
             return self.static_logs
+        capturing = self.graph is None and not self.failed
+        if capturing and self.eager_steps >= self.WARMUP:
+            return self._capture(data)  # counted as a replay
         self.eager_steps += 1
-        if self.graph is not None or self.failed:
-            return train_step(self.model, data)
-        if self.eager_steps <= self.WARMUP:
+        if capturing:
             return self._eager_on_capture_stream(data)
-        self.eager_steps -= 1  # the captured step is counted as a replay
-        return self._capture(data)
+        return train_step(self.model, data)
 
     def stats(self):
         """Replayed and eager steps of this fit, and why capture failed (or None)."""
@@ -450,14 +456,9 @@ class GraphedTrainStep:
 
 
 def _copy_into(static, value):
-    import numpy as np
-    import torch
-
-    if static is None:
-        return None
-    if isinstance(value, np.ndarray):
-        value = torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-        value = value.pin_memory()
-    static.copy_(value, non_blocking=True)
+    """`value` into the graph's input buffer `static`, from pinned memory
+    when it is on the host."""
+    if static is not None:
+        host = _host_tensor(value)
+        static.copy_(value if host is None else host.pin_memory(), non_blocking=True)
     return static

@@ -35,8 +35,8 @@ def model_dir():
 
 
 def run_kbert(texts, batch_size, repeats):
-    import numpy as np
     import keras
+    import numpy as np
 
     import kbert
 
@@ -48,7 +48,7 @@ def run_kbert(texts, batch_size, repeats):
     def encode_all():
         out = []
         for start in range(0, len(texts), batch_size):
-            ids = tokenizer.tokenize(texts[start:start + batch_size])
+            ids = tokenizer.tokenize(texts[start : start + batch_size])
             longest = min(128, max(len(i) for i in ids) + 2)
             bucket = longest if eager else min(128, -(-longest // 16) * 16)
             x = tokenizer.pack(ids, sequence_length=bucket)
@@ -75,11 +75,18 @@ def run_transformers(texts, batch_size, repeats):
         out = []
         with torch.inference_mode():
             for start in range(0, len(texts), batch_size):
-                batch = tokenizer(texts[start:start + batch_size], padding=True, truncation=True,
-                                  max_length=128, return_tensors="pt")
+                batch = tokenizer(
+                    texts[start : start + batch_size],
+                    padding=True,
+                    truncation=True,
+                    max_length=128,
+                    return_tensors="pt",
+                )
                 hidden = model(**batch).last_hidden_state
                 mask = batch["attention_mask"][..., None].float()
-                out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1))
+                out.append(
+                    torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+                )
         return torch.cat(out).numpy()
 
     encode_all()
@@ -97,7 +104,11 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default=os.path.join(HERE, "results", "cpu_inference.json"))
-    parser.add_argument("--systems", nargs="+", default=["transformers", "kbert-jax", "kbert-torch", "kbert-tensorflow"])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["transformers", "kbert-jax", "kbert-torch", "kbert-tensorflow"],
+    )
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     texts = sentences(args.data)
@@ -110,9 +121,23 @@ def main():
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
         if system.startswith("kbert"):
             env["KERAS_BACKEND"] = system.split("-")[1]
-        proc = subprocess.run([sys.executable, __file__, "--child", system, "--data", args.data,
-                               "--batch-size", str(args.batch_size), "--repeats", str(args.repeats)],
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                system,
+                "--data",
+                args.data,
+                "--batch-size",
+                str(args.batch_size),
+                "--repeats",
+                str(args.repeats),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if not line:
             results[system] = {"error": proc.stderr[-1500:]}
@@ -127,8 +152,12 @@ def main():
         for r in results.values():
             if "sentences_per_second" in r:
                 r["speedup_vs_transformers"] = r["sentences_per_second"] / base
-    report = {"benchmark": "CPU inference, all-MiniLM-L6-v2, SST-2 dev, batch 32, pad to longest (max 128)",
-              "sentences": len(texts), "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results}
+    report = {
+        "benchmark": "CPU inference, all-MiniLM-L6-v2, SST-2 dev, batch 32, pad to longest (max 128)",
+        "sentences": len(texts),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "results": results,
+    }
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
 

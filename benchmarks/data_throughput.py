@@ -43,13 +43,24 @@ def main():
     tokenizer = kbert.BertTokenizer(vocab)
     masking = MaskingConfig(max_seq_length=128, max_predictions_per_seq=20)
     start = time.perf_counter()
-    manifest = kbert.data.create_pretraining_data([corpus], tokenizer, os.path.join(work, "data"), masking=masking,
-                                                  dupe_factor=5, format="wikitext", progress=False)
+    manifest = kbert.data.create_pretraining_data(
+        [corpus],
+        tokenizer,
+        os.path.join(work, "data"),
+        masking=masking,
+        dupe_factor=5,
+        format="wikitext",
+        progress=False,
+    )
     creation = manifest["instances"] / (time.perf_counter() - start)
     files = os.path.join(work, "data", "*.tfrecord")
     static = kbert.data.pretraining_dataset(files, args.batch_size, 128, 20, seed=0, repeat=True)
-    documents = kbert.data.tokenize_documents(kbert.data.read_documents([corpus], format="wikitext"), tokenizer)
-    dynamic = kbert.data.dynamic_pretraining_dataset(documents, tokenizer, args.batch_size, masking, seed=0, repeat=True)
+    documents = kbert.data.tokenize_documents(
+        kbert.data.read_documents([corpus], format="wikitext"), tokenizer
+    )
+    dynamic = kbert.data.dynamic_pretraining_dataset(
+        documents, tokenizer, args.batch_size, masking, seed=0, repeat=True
+    )
     report = {
         "benchmark": "pre-training input pipeline, seq 128, 20 predictions",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

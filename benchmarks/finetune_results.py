@@ -37,8 +37,14 @@ import finetune_common as common  # noqa: E402
 TASKS = ("sst2", "cola", "mrpc", "stsb", "conll2003", "xquad")
 EPOCHS = {"sst2": 2, "cola": 3, "mrpc": 3, "stsb": 3, "conll2003": 3, "xquad": 3}
 LENGTHS = {"sst2": 64, "cola": 64, "mrpc": 128, "stsb": 128, "conll2003": 128, "xquad": 384}
-HEADLINE = {"sst2": "accuracy", "cola": "mcc", "mrpc": "f1", "stsb": "pearson", "conll2003": "entity_f1",
-            "xquad": "f1"}
+HEADLINE = {
+    "sst2": "accuracy",
+    "cola": "mcc",
+    "mrpc": "f1",
+    "stsb": "pearson",
+    "conll2003": "entity_f1",
+    "xquad": "f1",
+}
 
 
 def build(task, preset, data_dir, seed, length, limit=None):
@@ -104,20 +110,36 @@ def build(task, preset, data_dir, seed, length, limit=None):
             train, test = train[:limit], test[:limit]
         model = kbert.BertQuestionAnswerer.from_preset(preset)
         model.preprocessor.sequence_length = length
-        features = model.prepare_features([e["question"] for e in train], [e["context"] for e in train],
-                                          [e["answers"][0] for e in train])
-        test_features = model.prepare_features([e["question"] for e in test], [e["context"] for e in test])
+        features = model.prepare_features(
+            [e["question"] for e in train],
+            [e["context"] for e in train],
+            [e["answers"][0] for e in train],
+        )
+        test_features = model.prepare_features(
+            [e["question"] for e in test], [e["context"] for e in test]
+        )
         contexts = [e["context"] for e in test]
 
         def evaluate(logits):
-            answers = model.postprocess(test_features, {"start_logits": logits[..., 0], "end_logits": logits[..., 1]},
-                                        contexts)
+            answers = model.postprocess(
+                test_features,
+                {"start_logits": logits[..., 0], "end_logits": logits[..., 1]},
+                contexts,
+            )
             return metrics.squad_scores(answers, [[a["text"] for a in e["answers"]] for e in test])
 
         y = np.stack([features.y["start_positions"], features.y["end_positions"]], -1)
         import transformers
 
-        return model, features.x, y, None, evaluate, test_features.x, transformers.BertForQuestionAnswering
+        return (
+            model,
+            features.x,
+            y,
+            None,
+            evaluate,
+            test_features.x,
+            transformers.BertForQuestionAnswering,
+        )
     raise ValueError(task)
 
 
@@ -130,7 +152,9 @@ def run_kbert(model, x, y, w, ex, order, batch_size, learning_rate, task):
         targets = {"start_positions": targets[:, 0], "end_positions": targets[:, 1]}
     kwargs = {"sample_weight": take(w, order)} if w is not None else {}
     start = time.time()
-    model.fit(take(x, order), targets, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, **kwargs)
+    model.fit(
+        take(x, order), targets, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, **kwargs
+    )
     seconds = time.time() - start
     out = model.predict(ex, batch_size=128, verbose=0)
     if isinstance(out, dict):
@@ -145,23 +169,30 @@ def run_transformers(cls, directory, x, y, w, ex, order, batch_size, learning_ra
     model = cls.from_pretrained(directory).to(device).train()
     no_decay = [p for n, p in model.named_parameters() if "LayerNorm" in n or n.endswith("bias")]
     decay = [p for n, p in model.named_parameters() if not ("LayerNorm" in n or n.endswith("bias"))]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=learning_rate, betas=(0.9, 0.999), eps=1e-6)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=learning_rate,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+    )
     steps = -(-len(order) // batch_size)
     warmup = steps // 10
     # the original BERT schedule, as kbert's WarmupLinearDecay: linear warm-up,
     # then lr * (1 - step / steps) (the decay counts from step 0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s / warmup) if s < warmup else max(0.0, 1.0 - s / steps))
+        optimizer, lambda s: (s / warmup) if s < warmup else max(0.0, 1.0 - s / steps)
+    )
 
     def tensors(inputs, rows):
-        return dict(input_ids=torch.as_tensor(inputs["token_ids"][rows], device=device).long(),
-                    token_type_ids=torch.as_tensor(inputs["segment_ids"][rows], device=device).long(),
-                    attention_mask=torch.as_tensor(inputs["padding_mask"][rows], device=device).long())
+        return dict(
+            input_ids=torch.as_tensor(inputs["token_ids"][rows], device=device).long(),
+            token_type_ids=torch.as_tensor(inputs["segment_ids"][rows], device=device).long(),
+            attention_mask=torch.as_tensor(inputs["padding_mask"][rows], device=device).long(),
+        )
 
     start = time.time()
     for step in range(steps):
-        rows = order[step * batch_size:(step + 1) * batch_size]
+        rows = order[step * batch_size : (step + 1) * batch_size]
         batch = tensors(x, rows)
         if task == "xquad":
             batch["start_positions"] = torch.as_tensor(y[rows, 0], device=device).long()
@@ -187,7 +218,9 @@ def run_transformers(cls, directory, x, y, w, ex, order, batch_size, learning_ra
         for i in range(0, n, 128):
             out = model(**tensors(ex, np.arange(i, min(n, i + 128))))
             if task == "xquad":
-                outputs.append(torch.stack([out.start_logits, out.end_logits], -1).float().cpu().numpy())
+                outputs.append(
+                    torch.stack([out.start_logits, out.end_logits], -1).float().cpu().numpy()
+                )
             else:
                 outputs.append(out.logits.float().cpu().numpy())
     return np.concatenate(outputs), seconds
@@ -200,11 +233,15 @@ def summarize(results):
         for system in ("kbert", "transformers"):
             runs = [r[system] for r in entry["runs"]]
             entry[system] = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
-            entry[system][entry["headline"] + "_std"] = float(np.std([r[entry["headline"]] for r in runs]))
+            entry[system][entry["headline"] + "_std"] = float(
+                np.std([r[entry["headline"]] for r in runs])
+            )
         scale = 1.0 if task == "xquad" else 100.0
         entry["seeds"] = [r["seed"] for r in entry["runs"]]
         entry["difference_points"] = round(
-            scale * (entry["kbert"][entry["headline"]] - entry["transformers"][entry["headline"]]), 2)
+            scale * (entry["kbert"][entry["headline"]] - entry["transformers"][entry["headline"]]),
+            2,
+        )
     return results
 
 
@@ -225,17 +262,26 @@ def merge(paths):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--preset", default=common.default_preset())
     p.add_argument("--data-dir", default=common.SHARED_DATA)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=5e-5)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed; means are compared")
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="one run per seed; means are compared"
+    )
     p.add_argument("--limit", type=int, default=None, help="first N training examples (smoke runs)")
     p.add_argument("--epochs", type=int, default=None, help="override the per-task epochs")
     p.add_argument("--out", default=None)
-    p.add_argument("--merge", nargs="+", default=None, help="combine the runs of earlier result files into --out")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="combine the runs of earlier result files into --out",
+    )
     args = p.parse_args(argv)
     if args.merge:
         results = merge(args.merge)
@@ -248,26 +294,57 @@ def main(argv=None):
     from kbert.convert.huggingface import export_to_huggingface
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results = {"preset": args.preset, "keras_backend": keras.backend.backend(), "device": device,
-               "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-               "batch_size": args.batch_size, "learning_rate": args.learning_rate, "tasks": {}}
+    results = {
+        "preset": args.preset,
+        "keras_backend": keras.backend.backend(),
+        "device": device,
+        "card": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "tasks": {},
+    }
     for task in args.tasks:
         epochs = args.epochs or EPOCHS[task]
-        entry = results["tasks"].setdefault(task, {"epochs": epochs, "sequence_length": LENGTHS[task],
-                                                   "headline": HEADLINE[task], "runs": []})
+        entry = results["tasks"].setdefault(
+            task,
+            {
+                "epochs": epochs,
+                "sequence_length": LENGTHS[task],
+                "headline": HEADLINE[task],
+                "runs": [],
+            },
+        )
         for seed in args.seeds:
-            model, x, y, w, evaluate, ex, hf_cls = build(task, args.preset, args.data_dir, seed, LENGTHS[task],
-                                                         args.limit)
+            model, x, y, w, evaluate, ex, hf_cls = build(
+                task, args.preset, args.data_dir, seed, LENGTHS[task], args.limit
+            )
             with tempfile.TemporaryDirectory() as directory:
                 export_to_huggingface(model, directory)  # identical initial weights, head included
                 order = common.epoch_order(len(x["token_ids"]), epochs, seed)
-                ours, our_seconds = run_kbert(model, x, y, w, ex, order, args.batch_size, args.learning_rate, task)
-                theirs, their_seconds = run_transformers(hf_cls, directory, x, y, w, ex, order, args.batch_size,
-                                                         args.learning_rate, task, device)
+                ours, our_seconds = run_kbert(
+                    model, x, y, w, ex, order, args.batch_size, args.learning_rate, task
+                )
+                theirs, their_seconds = run_transformers(
+                    hf_cls,
+                    directory,
+                    x,
+                    y,
+                    w,
+                    ex,
+                    order,
+                    args.batch_size,
+                    args.learning_rate,
+                    task,
+                    device,
+                )
             entry["train_rows"] = int(len(x["token_ids"]))
-            entry["runs"].append({"seed": seed,
-                                  "kbert": {**evaluate(ours), "train_seconds": round(our_seconds, 1)},
-                                  "transformers": {**evaluate(theirs), "train_seconds": round(their_seconds, 1)}})
+            entry["runs"].append(
+                {
+                    "seed": seed,
+                    "kbert": {**evaluate(ours), "train_seconds": round(our_seconds, 1)},
+                    "transformers": {**evaluate(theirs), "train_seconds": round(their_seconds, 1)},
+                }
+            )
             print(task, json.dumps(entry["runs"][-1]), flush=True)
             summarize(results)
             if args.out:

@@ -35,7 +35,14 @@ CONFIGS = {
 # (CUDA graphs) for every kind of op and any sequence length / none][-nopad: JAX, MLM decoder
 # product on V = 30522 columns instead of a multiple of 64];
 # hf-eager / hf-compile.
-VARIANTS = ("kbert-jax-drop0", "kbert-jax-drop0.1", "kbert-torch-drop0", "kbert-torch-drop0.1", "hf-eager", "hf-compile")
+VARIANTS = (
+    "kbert-jax-drop0",
+    "kbert-jax-drop0.1",
+    "kbert-torch-drop0",
+    "kbert-torch-drop0.1",
+    "hf-eager",
+    "hf-compile",
+)
 VOCAB = 30522
 
 
@@ -70,18 +77,23 @@ def batch(t, b, p, seed=0):
 
 def check_fused_attention():
     """On the GPU: the fused path equals the explicit one on a padded batch."""
-    import numpy as np
     import keras
+    import numpy as np
 
     import kbert
     from kbert.layers.attention import MultiHeadSelfAttention
 
-    backbone = kbert.BertBackbone(1000, 2, 4, 64, 128, max_sequence_length=64, dropout=0.0, attention_dropout=0.0)
+    backbone = kbert.BertBackbone(
+        1000, 2, 4, 64, 128, max_sequence_length=64, dropout=0.0, attention_dropout=0.0
+    )
     rng = np.random.default_rng(0)
     mask = (np.arange(48)[None] < rng.integers(1, 49, (8, 1))).astype("int32")
     mask[3] = 0  # an all-padding row
-    x = {"token_ids": rng.integers(0, 1000, (8, 48)).astype("int32") * mask,
-         "segment_ids": np.zeros((8, 48), "int32"), "padding_mask": mask}
+    x = {
+        "token_ids": rng.integers(0, 1000, (8, 48)).astype("int32") * mask,
+        "segment_ids": np.zeros((8, 48), "int32"),
+        "padding_mask": mask,
+    }
     fused = keras.ops.convert_to_numpy(backbone(x)["sequence_output"])
     original = MultiHeadSelfAttention.attention_path
     MultiHeadSelfAttention.attention_path = lambda self, training=None: "explicit"
@@ -90,18 +102,21 @@ def check_fused_attention():
     real = mask.astype(bool)
     real[3] = False
     error = float(np.abs(fused - explicit)[real].max())
-    return {"fused_vs_explicit_max_abs": error, "finite": bool(np.isfinite(fused).all()),
-            "path": kbert.layers.fused.fused_attention_path()}
+    return {
+        "fused_vs_explicit_max_abs": error,
+        "finite": bool(np.isfinite(fused).all()),
+        "path": kbert.layers.fused.fused_attention_path(),
+    }
 
 
 def run_kbert(arch, t, b, p, variant, steps, spe):
-    import numpy as np
     import keras
+    import numpy as np
 
     import kbert
 
     options = variant.split("-")[2:]
-    dropout = float(options[0][len("drop"):])
+    dropout = float(options[0][len("drop") :])
     if keras.backend.backend() == "torch":
         spe = 1  # Keras' torch trainer runs one step per call
         if "kerasbatches" in options:  # A/B: Keras' own blocking batch copies
@@ -116,20 +131,29 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         import kbert.layers.fused as fused
 
         fused._jax_gpu = lambda: False
-    if "dp" in options or "dpxla" in options:  # data parallel over every local GPU, same per-GPU batch
+    if (
+        "dp" in options or "dpxla" in options
+    ):  # data parallel over every local GPU, same per-GPU batch
         devices = keras.distribution.list_devices("gpu")
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
         b *= len(devices)
     keras.config.set_dtype_policy("mixed_bfloat16")
     backbone = kbert.BertBackbone.from_architecture(
-        arch, max_sequence_length=512, attention_dropout=dropout, dtype="mixed_bfloat16",
-        dropout=0.0 if "nodrop" in options else 0.1)
+        arch,
+        max_sequence_length=512,
+        attention_dropout=dropout,
+        dtype="mixed_bfloat16",
+        dropout=0.0 if "nodrop" in options else 0.1,
+    )
     model = kbert.BertPreTrainer(backbone)
     # torch: Keras' torch.compile of the whole train step does not trace the
     # optimizer (regex weight-decay exclusion), so the torch backend runs eager.
-    model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), steps_per_execution=spe,
-                  jit_compile=keras.backend.backend() != "torch" or "jit" in options,
-                  cuda_graph="nograph" not in options)
+    model.compile(
+        optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100),
+        steps_per_execution=spe,
+        jit_compile=keras.backend.backend() != "torch" or "jit" in options,
+        cuda_graph="nograph" not in options,
+    )
     x, y = batch(t, b, p)
     # Steady state, as the transformers loop is timed (synchronised before
     # and after, no start-up): fit() has a fixed cost per call (iterator,
@@ -142,8 +166,14 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
 
     def fit(n):
         start = time.perf_counter()
-        history = model.fit({k: v[: n * b] for k, v in xs.items()}, {k: v[: n * b] for k, v in ys.items()},
-                            batch_size=b, epochs=1, verbose=0, shuffle=False).history
+        history = model.fit(
+            {k: v[: n * b] for k, v in xs.items()},
+            {k: v[: n * b] for k, v in ys.items()},
+            batch_size=b,
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+        ).history
         return time.perf_counter() - start, float(history["loss"][-1])
 
     fit(2 * spe)  # compile and warm up
@@ -161,10 +191,15 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         import torch
 
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    result = {"seconds": seconds, "sequences": n, "loss": loss, "peak_bytes": peak,
-              "whole_fit": {"steps": long, "seconds": long_s, "seq_per_s": long * b / long_s},
-              "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True),
-              "fused_kernel": kbert.layers.fused.fused_attention_path()}
+    result = {
+        "seconds": seconds,
+        "sequences": n,
+        "loss": loss,
+        "peak_bytes": peak,
+        "whole_fit": {"steps": long, "seconds": long_s, "seq_per_s": long * b / long_s},
+        "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True),
+        "fused_kernel": kbert.layers.fused.fused_attention_path(),
+    }
     if keras.backend.backend() == "jax":
         result["check"] = check_fused_attention()
     return result
@@ -180,9 +215,13 @@ def hf_train_step(arch, t, b, p):
 
     sizes = a.ARCHITECTURES[arch]
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=sizes["hidden_dim"], num_hidden_layers=sizes["num_layers"],
-        num_attention_heads=sizes["num_heads"], intermediate_size=sizes["intermediate_dim"],
-        attn_implementation="sdpa")
+        vocab_size=VOCAB,
+        hidden_size=sizes["hidden_dim"],
+        num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"],
+        intermediate_size=sizes["intermediate_dim"],
+        attn_implementation="sdpa",
+    )
     model = transformers.BertForPreTraining(config).cuda().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     x, y = batch(t, b, p)
@@ -225,7 +264,12 @@ def run_hf(arch, t, b, p, compile_, steps):
         loss = step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "sequences": steps * b, "loss": float(loss), "peak_bytes": torch.cuda.max_memory_allocated()}
+    return {
+        "seconds": seconds,
+        "sequences": steps * b,
+        "loss": float(loss),
+        "peak_bytes": torch.cuda.max_memory_allocated(),
+    }
 
 
 def matmul_tflops():
@@ -286,24 +330,47 @@ def main():
             if variant.endswith("-cmdbuf"):
                 env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + (
                     " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
-                    " --xla_gpu_graph_min_graph_size=1")
+                    " --xla_gpu_graph_min_graph_size=1"
+                )
             if variant.endswith("-nocmdbuf"):
                 env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
             steps = args.steps
-            cmd = [sys.executable, __file__, "--child", "--config", config, "--variant", variant,
-                   "--steps", str(steps), "--steps-per-execution", str(args.steps_per_execution)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "--config",
+                config,
+                "--variant",
+                variant,
+                "--steps",
+                str(steps),
+                "--steps-per-execution",
+                str(args.steps_per_execution),
+            ]
             started = time.time()
             try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                proc = subprocess.run(
+                    cmd, env=env, capture_output=True, text=True, timeout=args.timeout
+                )
                 lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
                 if not lines:
                     raise RuntimeError((proc.stderr or proc.stdout)[-1500:])
                 r = json.loads(lines[-1][7:])
                 sps = r["sequences"] / r["seconds"]
-                r.update(config=config, variant=variant, seq_per_s=sps, tflops=sps * flops / 1e12,
-                         mfu=sps * flops / 1e12 / peak, wall_s=time.time() - started)
-                print(f"{config:9s} {variant:24s} {sps:9.0f} seq/s {r['tflops']:6.0f} TFLOP/s MFU {r['mfu']:.2f} "
-                      f"peak {((r['peak_bytes'] or 0) / 2**30):.1f} GiB loss {r['loss']:.2f}", flush=True)
+                r.update(
+                    config=config,
+                    variant=variant,
+                    seq_per_s=sps,
+                    tflops=sps * flops / 1e12,
+                    mfu=sps * flops / 1e12 / peak,
+                    wall_s=time.time() - started,
+                )
+                print(
+                    f"{config:9s} {variant:24s} {sps:9.0f} seq/s {r['tflops']:6.0f} TFLOP/s MFU {r['mfu']:.2f} "
+                    f"peak {((r['peak_bytes'] or 0) / 2**30):.1f} GiB loss {r['loss']:.2f}",
+                    flush=True,
+                )
             except Exception as e:  # report and go on: one failing variant must not lose the others
                 r = {"config": config, "variant": variant, "error": str(e)[-1500:]}
                 print(f"{config:9s} {variant:20s} FAILED: {str(e)[-600:]}", flush=True)

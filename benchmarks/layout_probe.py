@@ -38,6 +38,7 @@ def patch(names):
     from kbert.layers import embeddings, heads
 
     if "mlmflat" in names:  # MLM gather on (B*T, H) rows instead of take_along_axis
+
         def call(self, sequence_output, mask_positions):
             b, t, h = ops.shape(sequence_output)
             flat = ops.reshape(sequence_output, (-1, h))
@@ -47,19 +48,25 @@ def patch(names):
             x = self.layer_norm(self.transform(x))
             logits = self.token_embedding(x, reverse=True)
             return ops.cast(logits, "float32") + ops.cast(self.output_bias, "float32")
+
         heads.MaskedLMHead.call = call
     if "poolbar" in names:  # the [CLS] slice cannot pass a layout back
+
         def pcall(self, sequence_output):
             x = jax.lax.optimization_barrier(sequence_output)
             return self.dense(x[:, 0, :])
+
         heads.Pooler.call = pcall
     if "poolgather" in names:
+
         def pcall2(self, sequence_output):
             b, t, h = ops.shape(sequence_output)
             flat = ops.reshape(sequence_output, (-1, h))
             return self.dense(ops.take(flat, ops.arange(b, dtype="int32") * t, axis=0))
+
         heads.Pooler.call = pcall2
     if "posgather" in names or "posbar" in names:  # position embeddings without a broadcast
+
         def pcall3(self, token_ids, segment_ids, training=None):
             b, t = ops.shape(token_ids)
             table = ops.cast(self.position_embeddings, self.compute_dtype)
@@ -67,15 +74,19 @@ def patch(names):
                 ids = ops.broadcast_to(ops.arange(t, dtype="int32")[None], (b, t))
                 positions = ops.take(table, ids, axis=0)
             else:
-                positions = jax.lax.optimization_barrier(ops.broadcast_to(table[None, :t], (b, t, table.shape[-1])))
+                positions = jax.lax.optimization_barrier(
+                    ops.broadcast_to(table[None, :t], (b, t, table.shape[-1]))
+                )
             x = self.token_embedding(token_ids) + self.segment_embedding(segment_ids) + positions
             x = self.layer_norm(x)
             return self.dropout_layer(x, training=training)
+
         embeddings.BertEmbeddings.call = pcall3
     if "qkv3" in names:  # three projections instead of one QKV product and a split copy
         from keras import ops as kops
 
-        from kbert.layers import attention, fused as kfused
+        from kbert.layers import attention
+        from kbert.layers import fused as kfused
 
         def acall(self, inputs, padding_mask, training=None):
             b, t = kops.shape(inputs)[0], kops.shape(inputs)[1]
@@ -83,10 +94,16 @@ def patch(names):
             kernel = kops.cast(self.qkv.kernel, self.compute_dtype)
             bias = kops.cast(self.qkv.bias, self.compute_dtype)
             x = kops.cast(inputs, self.compute_dtype)
-            q, k, v = (kops.reshape(kops.matmul(x, kernel[:, i * h:(i + 1) * h]) + bias[i * h:(i + 1) * h],
-                                    (b, t, self.num_heads, self.head_dim)) for i in range(3))
-            context = kfused.fused_attention(q, k, v, padding_mask, 1.0 / self.head_dim ** 0.5)
+            q, k, v = (
+                kops.reshape(
+                    kops.matmul(x, kernel[:, i * h : (i + 1) * h]) + bias[i * h : (i + 1) * h],
+                    (b, t, self.num_heads, self.head_dim),
+                )
+                for i in range(3)
+            )
+            context = kfused.fused_attention(q, k, v, padding_mask, 1.0 / self.head_dim**0.5)
             return self.output_dense(kops.reshape(context, (b, t, h)))
+
         attention.MultiHeadSelfAttention.call = acall
     if "philox" in names:  # XLA's Philox RngBitGenerator bits in memory instead of the hashed mask
         import jax.numpy as jnp
@@ -96,10 +113,19 @@ def patch(names):
 
         def philox_dropout(inputs, rate, seed_generator):
             seed = jnp.asarray(seed_generator.next(), "uint32")
-            key = jax.random.wrap_key_data(jnp.concatenate([seed, seed ^ jnp.uint32(0x9E3779B9)]), impl="rbg")
-            keep = jax.random.bits(key, inputs.shape, jnp.uint32) < jnp.uint32(int(round((1.0 - rate) * 2**32)))
+            key = jax.random.wrap_key_data(
+                jnp.concatenate([seed, seed ^ jnp.uint32(0x9E3779B9)]), impl="rbg"
+            )
+            keep = jax.random.bits(key, inputs.shape, jnp.uint32) < jnp.uint32(
+                int(round((1.0 - rate) * 2**32))
+            )
             scale = np.float32(1 / (1 - rate))
-            return jnp.where(keep, (inputs.astype(jnp.float32) * scale).astype(inputs.dtype), jnp.zeros_like(inputs))
+            return jnp.where(
+                keep,
+                (inputs.astype(jnp.float32) * scale).astype(inputs.dtype),
+                jnp.zeros_like(inputs),
+            )
+
         dropout.fused_dropout = philox_dropout
     if "drop32" in names:  # dropout with one 32-bit draw per element and autodiff'd scaling
         import jax.numpy as jnp
@@ -108,10 +134,15 @@ def patch(names):
 
         def old_dropout(inputs, rate, seed_generator):
             seed = jnp.asarray(seed_generator.next(), "uint32")
-            key = jax.random.wrap_key_data(jnp.concatenate([seed, seed ^ jnp.uint32(0x9E3779B9)]), impl="rbg")
+            key = jax.random.wrap_key_data(
+                jnp.concatenate([seed, seed ^ jnp.uint32(0x9E3779B9)]), impl="rbg"
+            )
             bits = jax.random.bits(key, inputs.shape, jnp.uint32)
             keep = bits < jnp.uint32(int(round((1.0 - rate) * 2**32)))
-            return jnp.where(keep, inputs / jnp.asarray(1.0 - rate, inputs.dtype), jnp.zeros_like(inputs))
+            return jnp.where(
+                keep, inputs / jnp.asarray(1.0 - rate, inputs.dtype), jnp.zeros_like(inputs)
+            )
+
         dropout.fused_dropout = old_dropout
     if "kerasln" in names:  # Keras' LayerNormalization (autodiff, two-pass variance)
         import keras
@@ -134,6 +165,7 @@ def patch(names):
         def erf_gelu(x):
             x32 = x.astype(jnp.float32)
             return (x32 * 0.5 * (1.0 + jax.lax.erf(x32 * 0.7071067811865476))).astype(x.dtype)
+
         activations._ACTIVATIONS["gelu"] = erf_gelu
     for mode in ("posdot", "posscatter", "possum2d"):
         if mode in names:
@@ -143,14 +175,21 @@ def patch(names):
 
         def ecall(self, token_ids, segment_ids, training=None):
             b, t = ops.shape(token_ids)
-            tok = ops.take(ops.cast(self.token_embedding.embeddings, self.compute_dtype),
-                           ops.reshape(token_ids, (-1,)), axis=0)
-            seg = ops.take(ops.cast(self.segment_embedding.embeddings, self.compute_dtype),
-                           ops.reshape(segment_ids, (-1,)), axis=0)
+            tok = ops.take(
+                ops.cast(self.token_embedding.embeddings, self.compute_dtype),
+                ops.reshape(token_ids, (-1,)),
+                axis=0,
+            )
+            seg = ops.take(
+                ops.cast(self.segment_embedding.embeddings, self.compute_dtype),
+                ops.reshape(segment_ids, (-1,)),
+                axis=0,
+            )
             pos = ops.cast(self.position_embeddings, self.compute_dtype)[:t]
             x = ops.reshape(tok + seg, (b, t, -1)) + pos[None]
             x = self.layer_norm(x)
             return self.dropout_layer(x, training=training)
+
         embeddings.BertEmbeddings.call = ecall
 
 
@@ -179,10 +218,16 @@ def _embedding_sum_variant(mode):
 
         def backward(_, grad):
             if mode == "posdot":
-                d_pos = jnp.einsum("b,bth->th", jnp.ones((batch,), grad.dtype), grad,
-                                   preferred_element_type=jnp.float32)
+                d_pos = jnp.einsum(
+                    "b,bth->th",
+                    jnp.ones((batch,), grad.dtype),
+                    grad,
+                    preferred_element_type=jnp.float32,
+                )
             else:
-                d_pos = jnp.sum(grad.reshape(batch, -1), axis=0, dtype=jnp.float32).reshape(length, -1)
+                d_pos = jnp.sum(grad.reshape(batch, -1), axis=0, dtype=jnp.float32).reshape(
+                    length, -1
+                )
             one_hot = jax.nn.one_hot(segment_ids, segments.shape[0], dtype=grad.dtype)
             d_seg = jnp.einsum("bts,bth->sh", one_hot, grad, preferred_element_type=jnp.float32)
             return d_pos.astype(positions.dtype), d_seg.astype(segments.dtype)
@@ -198,7 +243,7 @@ def analyse(path):
     comps = {}
     for m in re.finditer(r"\n%(\S+) \(.*?\) -> .*? \{\n(.*?)\n\}\n", txt, re.S):
         comps[m.group(1)] = m.group(2)
-    entry = txt[txt.index("\nENTRY"):]
+    entry = txt[txt.index("\nENTRY") :]
     big, nbytes, lines = 0, 0, []
     sizes = {"bf16": 2, "f32": 4, "pred": 1, "f16": 2, "s32": 4, "u32": 4}
     for l in entry.split("\n"):
@@ -220,26 +265,38 @@ def analyse(path):
 
 
 def child(variant, steps, out):
+    import gpu_pretrain
     import keras
     import numpy as np
 
-    import gpu_pretrain
     import kbert
 
     patch(variant.split("+"))
     arch, t, b, p = gpu_pretrain.CONFIGS["base128"]
     keras.config.set_dtype_policy("mixed_bfloat16")
     backbone = kbert.BertBackbone.from_architecture(
-        arch, max_sequence_length=512, attention_dropout=0.0, dtype="mixed_bfloat16",
-        dropout=0.0 if "nodrop" in variant else 0.1)
+        arch,
+        max_sequence_length=512,
+        attention_dropout=0.0,
+        dtype="mixed_bfloat16",
+        dropout=0.0 if "nodrop" in variant else 0.1,
+    )
     model = kbert.BertPreTrainer(backbone)
-    model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), steps_per_execution=1,
-                  jit_compile=True)
+    model.compile(
+        optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100),
+        steps_per_execution=1,
+        jit_compile=True,
+    )
     x, y = gpu_pretrain.batch(t, b, p)
     xs = {k: np.concatenate([v] * steps) for k, v in x.items()}
     ys = {k: np.concatenate([v] * steps) for k, v in y.items()}
-    model.fit({k: v[:2 * b] for k, v in xs.items()}, {k: v[:2 * b] for k, v in ys.items()},
-              batch_size=b, verbose=0, shuffle=False)
+    model.fit(
+        {k: v[: 2 * b] for k, v in xs.items()},
+        {k: v[: 2 * b] for k, v in ys.items()},
+        batch_size=b,
+        verbose=0,
+        shuffle=False,
+    )
     best = None
     for _ in range(2):
         start = time.perf_counter()
@@ -262,10 +319,18 @@ def main():
     report = []
     for v in args.variants:
         d = os.path.join(args.dump_dir, v.replace("+", "_"))
-        env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={d} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train.*")
+        env = dict(
+            os.environ,
+            XLA_FLAGS=f"--xla_dump_to={d} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train.*",
+        )
         started = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(args.steps)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", v, "--steps", str(args.steps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         res = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         r = {"variant": v, "wall_s": time.time() - started}
         if res:
@@ -281,9 +346,16 @@ def main():
             with gzip.open(os.path.join(out_dir, f"entry_{v.replace('+', '_')}.txt.gz"), "wt") as f:
                 f.write("\n".join(lines))
             if v == args.variants[0] or "keep" in v:
-                with open(big, "rb") as src, gzip.open(os.path.join(out_dir, f"hlo_{v.replace('+', '_')}.txt.gz"), "wb") as f:
+                with (
+                    open(big, "rb") as src,
+                    gzip.open(
+                        os.path.join(out_dir, f"hlo_{v.replace('+', '_')}.txt.gz"), "wb"
+                    ) as f,
+                ):
                     f.write(src.read())
-        print(json.dumps({k: r[k] for k in r if k != "error"}), r.get("error", "")[-800:], flush=True)
+        print(
+            json.dumps({k: r[k] for k in r if k != "error"}), r.get("error", "")[-800:], flush=True
+        )
         report.append(r)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

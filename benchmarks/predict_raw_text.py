@@ -46,10 +46,18 @@ def child(texts, repeats):
             start = time.perf_counter()
             out = run()
             times.append(time.perf_counter() - start)
-        result[name] = {"seconds": min(times), "sentences_per_second": len(texts) / min(times), "output": out}
-    difference = float(np.abs(result["bucketed"].pop("output") - result["fixed_128"].pop("output")).max())
+        result[name] = {
+            "seconds": min(times),
+            "sentences_per_second": len(texts) / min(times),
+            "output": out,
+        }
+    difference = float(
+        np.abs(result["bucketed"].pop("output") - result["fixed_128"].pop("output")).max()
+    )
     result["max_abs_difference"] = difference
-    result["speedup"] = result["bucketed"]["sentences_per_second"] / result["fixed_128"]["sentences_per_second"]
+    result["speedup"] = (
+        result["bucketed"]["sentences_per_second"] / result["fixed_128"]["sentences_per_second"]
+    )
     return result
 
 
@@ -57,7 +65,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--backends", nargs="+", default=["jax", "torch", "tensorflow"])
-    parser.add_argument("--output", default=os.path.join(HERE, "results", "predict_raw_text_cpu.json"))
+    parser.add_argument(
+        "--output", default=os.path.join(HERE, "results", "predict_raw_text_cpu.json")
+    )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     texts = sentences(DATA)
@@ -67,20 +77,30 @@ def main():
     results = {}
     for backend in args.backends:
         env = dict(os.environ, KERAS_BACKEND=backend, CUDA_VISIBLE_DEVICES="")
-        proc = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(args.repeats)],
-                              env=env, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", "--repeats", str(args.repeats)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if not lines:
             results[backend] = {"error": proc.stderr[-1500:]}
             print(backend, "FAILED", proc.stderr[-800:])
             continue
         r = results[backend] = json.loads(lines[-1][7:])
-        print(f"{backend:11s} bucketed {r['bucketed']['sentences_per_second']:7.0f} sentences/s, "
-              f"fixed 128 {r['fixed_128']['sentences_per_second']:7.0f} ({r['speedup']:.2f}x), "
-              f"max |difference| {r['max_abs_difference']:.1e}")
-    report = {"benchmark": "BertTextEmbedder.predict on raw SST-2 dev sentences (all-MiniLM-L6-v2, batch 32): "
-                           "length buckets of 16 vs fixed length 128",
-              "sentences": len(texts), "machine": f"{platform.machine()}, {os.cpu_count()} cores", "results": results}
+        print(
+            f"{backend:11s} bucketed {r['bucketed']['sentences_per_second']:7.0f} sentences/s, "
+            f"fixed 128 {r['fixed_128']['sentences_per_second']:7.0f} ({r['speedup']:.2f}x), "
+            f"max |difference| {r['max_abs_difference']:.1e}"
+        )
+    report = {
+        "benchmark": "BertTextEmbedder.predict on raw SST-2 dev sentences (all-MiniLM-L6-v2, batch 32): "
+        "length buckets of 16 vs fixed length 128",
+        "sentences": len(texts),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "results": results,
+    }
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)
 

@@ -27,7 +27,10 @@ import gpu_pretrain  # noqa: E402
 
 CATEGORIES = (  # first match wins; matched against the lower-cased kernel name
     ("attention", r"fmha|flash|cudnn|attention|sdpa|efficient_attention"),
-    ("matmul", r"gemm|cublas|cutlass|matmul|sm90_xmma|xmma|nvjet|triton_gemm|__dot|dot_general|\bdot\b|wgmma"),
+    (
+        "matmul",
+        r"gemm|cublas|cutlass|matmul|sm90_xmma|xmma|nvjet|triton_gemm|__dot|dot_general|\bdot\b|wgmma",
+    ),
     ("scatter/gather", r"scatter|gather|index|embedding"),
     ("optimizer", r"adam|foreach|multi_tensor|optimizer"),
     ("reduction", r"reduce|reduction|norm|softmax|sum"),
@@ -63,8 +66,12 @@ def summarize(kernels, wall_s, steps):
         "kernels_per_step": sum(counts.values()) / steps,
         "by_category_ms_per_step": {k: 1e3 * v / steps for k, v in by_cat.most_common()},
         "top_kernels": [
-            {"name": n[:160], "ms_per_step": 1e3 * s / steps, "calls_per_step": counts[n] / steps,
-             "category": category(n)}
+            {
+                "name": n[:160],
+                "ms_per_step": 1e3 * s / steps,
+                "calls_per_step": counts[n] / steps,
+                "category": category(n),
+            }
             for n, s in by_name.most_common(40)
         ],
     }
@@ -85,7 +92,13 @@ def idle_gaps(intervals, steps):
             around.append((start - end, last, tuple(name)))
         if stop >= end:
             end, last = stop, tuple(name)
-    bins = (("<2us", 2e3), ("2-10us", 1e4), ("10-100us", 1e5), ("0.1-1ms", 1e6), (">1ms", float("inf")))
+    bins = (
+        ("<2us", 2e3),
+        ("2-10us", 1e4),
+        ("10-100us", 1e5),
+        ("0.1-1ms", 1e6),
+        (">1ms", float("inf")),
+    )
     totals = {label: [0, 0.0] for label, _ in bins}
     for gap in gaps:
         label = next(label for label, limit in bins if gap < limit)
@@ -94,12 +107,17 @@ def idle_gaps(intervals, steps):
     return {
         "span_ms_per_step": (end - intervals[0][0]) / 1e6 / steps if intervals else 0.0,
         "idle_ms_per_step": sum(gaps) / 1e6 / steps,
-        "by_length": {label: {"gaps_per_step": n / steps, "ms_per_step": ns / 1e6 / steps}
-                      for label, (n, ns) in totals.items()},
+        "by_length": {
+            label: {"gaps_per_step": n / steps, "ms_per_step": ns / 1e6 / steps}
+            for label, (n, ns) in totals.items()
+        },
         "longest_ms": [g / 1e6 for g in sorted(gaps, reverse=True)[:10]],
         # between which kernels the GPU waits 0.1-1 ms (the fit's start and end are longer)
-        "waits": [{"ms": g / 1e6, "after": a[0][:100] if a else "", "before": b[0][:100] if b else ""}
-                  for g, a, b in sorted(around, reverse=True) if 1e5 <= g < 1e6][:40],
+        "waits": [
+            {"ms": g / 1e6, "after": a[0][:100] if a else "", "before": b[0][:100] if b else ""}
+            for g, a, b in sorted(around, reverse=True)
+            if 1e5 <= g < 1e6
+        ][:40],
     }
 
 
@@ -112,11 +130,18 @@ def profile_jax(args, arch, t, b, p):
 
     keras.config.set_dtype_policy("mixed_bfloat16")
     backbone = kbert.BertBackbone.from_architecture(
-        arch, max_sequence_length=512, attention_dropout=args.attention_dropout, dtype="mixed_bfloat16",
-        dropout=args.dropout)
+        arch,
+        max_sequence_length=512,
+        attention_dropout=args.attention_dropout,
+        dtype="mixed_bfloat16",
+        dropout=args.dropout,
+    )
     model = kbert.BertPreTrainer(backbone)
-    model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100),
-                  steps_per_execution=args.steps, jit_compile=True)
+    model.compile(
+        optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100),
+        steps_per_execution=args.steps,
+        jit_compile=True,
+    )
     x, y = gpu_pretrain.batch(t, b, p)
     xs = {k: np.concatenate([v] * args.steps) for k, v in x.items()}
     ys = {k: np.concatenate([v] * args.steps) for k, v in y.items()}
@@ -128,31 +153,48 @@ def profile_jax(args, arch, t, b, p):
     model.fit(xs, ys, batch_size=b, epochs=1, verbose=0, shuffle=False)
     wall = time.perf_counter() - start
     jax.profiler.stop_trace()
-    paths = [os.path.join(d, f) for d, _, fs in os.walk(trace_dir) for f in fs if f.endswith(".xplane.pb")]
+    paths = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(trace_dir)
+        for f in fs
+        if f.endswith(".xplane.pb")
+    ]
     data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
     lines = {}
     host = collections.Counter()
     host_calls = collections.Counter()
     for plane in data.planes:
-        if plane.name.startswith("/host:CPU"):  # what the host spends its time in (blocking waits show here)
+        if plane.name.startswith(
+            "/host:CPU"
+        ):  # what the host spends its time in (blocking waits show here)
             for line in plane.lines:
                 for e in line.events:
                     host[(line.name[:40], e.name[:120])] += e.duration_ns / 1e6
                     host_calls[(line.name[:40], e.name[:120])] += 1
         if plane.name.startswith("/device:GPU:0"):
             for line in plane.lines:
-                lines[line.name] = [(e.name, e.duration_ns / 1e9, e.start_ns, e.end_ns) for e in line.events]
+                lines[line.name] = [
+                    (e.name, e.duration_ns / 1e9, e.start_ns, e.end_ns) for e in line.events
+                ]
     # Kernels are on the "Stream #..." lines; "XLA Ops" repeats the same time
     # per HLO op (fusion names), kept as a second view.
     kernels = [k for name, events in lines.items() if name.startswith("Stream") for k in events]
     result = summarize([k[:2] for k in kernels], wall, args.steps)
     result["idle"] = idle_gaps([(k[2], k[3], k[0]) for k in kernels], args.steps)
     if "XLA Ops" in lines:
-        result["xla_ops"] = summarize([k[:2] for k in lines["XLA Ops"]], wall, args.steps)["top_kernels"]
+        result["xla_ops"] = summarize([k[:2] for k in lines["XLA Ops"]], wall, args.steps)[
+            "top_kernels"
+        ]
     result["gpu_lines"] = {name: len(events) for name, events in lines.items()}
     result["host_top_ms_per_step"] = [
-        {"thread": k[0], "event": k[1], "ms_per_step": v / args.steps, "calls_per_step": host_calls[k] / args.steps}
-        for k, v in host.most_common(40)]
+        {
+            "thread": k[0],
+            "event": k[1],
+            "ms_per_step": v / args.steps,
+            "calls_per_step": host_calls[k] / args.steps,
+        }
+        for k, v in host.most_common(40)
+    ]
     return result
 
 
@@ -169,10 +211,16 @@ def profile_torch(args, arch, t, b, p, hf):
 
         keras.config.set_dtype_policy("mixed_bfloat16")
         backbone = kbert.BertBackbone.from_architecture(
-            arch, max_sequence_length=512, attention_dropout=args.attention_dropout, dtype="mixed_bfloat16",
-            dropout=args.dropout)
+            arch,
+            max_sequence_length=512,
+            attention_dropout=args.attention_dropout,
+            dtype="mixed_bfloat16",
+            dropout=args.dropout,
+        )
         model = kbert.BertPreTrainer(backbone)
-        model.compile(optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), jit_compile=False)
+        model.compile(
+            optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100), jit_compile=False
+        )
         x, y = gpu_pretrain.batch(t, b, p)
         xt = {k: torch.tensor(v).cuda() for k, v in x.items()}
         yt = {k: torch.tensor(v).cuda() for k, v in y.items()}
@@ -195,7 +243,11 @@ def profile_torch(args, arch, t, b, p, hf):
 
         def record(message, category, filename, lineno, file=None, line=None):
             frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
-            sites[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames[-6:]))] += 1
+            sites[
+                " <- ".join(
+                    f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames[-6:])
+                )
+            ] += 1
 
         warnings.showwarning = record
         warnings.simplefilter("always")
@@ -210,8 +262,11 @@ def profile_torch(args, arch, t, b, p, hf):
             step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = [(e.name, e.device_time_total / 1e6) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [
+        (e.name, e.device_time_total / 1e6)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
     result = summarize(kernels, wall, args.steps)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     result["cpu_ops_table"] = table
@@ -226,7 +281,9 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--trace-dir", default=None)
-    parser.add_argument("--sync-debug", action="store_true", help="torch: list the host-device syncs of one step")
+    parser.add_argument(
+        "--sync-debug", action="store_true", help="torch: list the host-device syncs of one step"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     # hf imports kbert only for the architecture sizes; torch keeps it off TF.
@@ -242,23 +299,36 @@ def main():
             json.dump(result, f, indent=2)
         return
     flops = gpu_pretrain.train_flops_per_sequence(arch, t, p)
-    result.update(config=args.config, backend=args.backend, dropout=args.dropout,
-                  attention_dropout=args.attention_dropout,
-                  seq_per_s=b / (result["wall_ms_per_step"] / 1e3),
-                  model_tflops=flops * b / (result["wall_ms_per_step"] / 1e3) / 1e12)
+    result.update(
+        config=args.config,
+        backend=args.backend,
+        dropout=args.dropout,
+        attention_dropout=args.attention_dropout,
+        seq_per_s=b / (result["wall_ms_per_step"] / 1e3),
+        model_tflops=flops * b / (result["wall_ms_per_step"] / 1e3) / 1e12,
+    )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"{args.backend} {args.config}: {result['wall_ms_per_step']:.1f} ms/step wall, "
-          f"{result['gpu_busy_ms_per_step']:.1f} ms GPU busy")
+    print(
+        f"{args.backend} {args.config}: {result['wall_ms_per_step']:.1f} ms/step wall, "
+        f"{result['gpu_busy_ms_per_step']:.1f} ms GPU busy"
+    )
     if "idle" in result:
         idle = result["idle"]
-        print(f"  idle between kernels {idle['idle_ms_per_step']:.2f} ms/step: " + ", ".join(
-            f"{k} {v['gaps_per_step']:.0f} gaps {v['ms_per_step']:.2f} ms" for k, v in idle["by_length"].items())
-            + f"; longest {[round(g, 2) for g in idle['longest_ms'][:5]]} ms")
+        print(
+            f"  idle between kernels {idle['idle_ms_per_step']:.2f} ms/step: "
+            + ", ".join(
+                f"{k} {v['gaps_per_step']:.0f} gaps {v['ms_per_step']:.2f} ms"
+                for k, v in idle["by_length"].items()
+            )
+            + f"; longest {[round(g, 2) for g in idle['longest_ms'][:5]]} ms"
+        )
     for k, v in result["by_category_ms_per_step"].items():
         print(f"  {k:28s} {v:7.2f} ms")
     for k in result["top_kernels"][:15]:
-        print(f"  {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:5.1f} {k['category']:14s} {k['name'][:90]}")
+        print(
+            f"  {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:5.1f} {k['category']:14s} {k['name'][:90]}"
+        )
 
 
 if __name__ == "__main__":

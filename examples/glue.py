@@ -28,7 +28,9 @@ from kbert.data.finetuning import GLUE_TASKS, glue_path, read_glue  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--task", default="sst2", choices=sorted(GLUE_TASKS))
     p.add_argument("--data-dir", default=os.path.join(common.SHARED_DATA, "glue"))
     p.add_argument("--train-file", default=None)
@@ -39,7 +41,10 @@ def parse_args(argv=None):
 
 def glue_metrics(task, labels, predictions):
     if task == "stsb":
-        return {"pearson": metrics.pearson(labels, predictions), "spearman": metrics.spearman(labels, predictions)}
+        return {
+            "pearson": metrics.pearson(labels, predictions),
+            "spearman": metrics.spearman(labels, predictions),
+        }
     result = {"accuracy": metrics.accuracy(labels, predictions)}
     if task == "cola":
         result["mcc"] = metrics.matthews_corrcoef(labels, predictions)
@@ -62,22 +67,35 @@ def main(argv=None):
     args = parse_args(argv)
     spec = GLUE_TASKS[args.task]
     (texts, pairs, labels), (dev_texts, dev_pairs, dev_labels) = load(args)
-    model = kbert.BertClassifier.from_preset(args.preset, num_classes=spec["num_classes"], **common.task_kwargs(args))
+    model = kbert.BertClassifier.from_preset(
+        args.preset, num_classes=spec["num_classes"], **common.task_kwargs(args)
+    )
     model.preprocessor.sequence_length = args.sequence_length
     order = common.epoch_order(len(texts), args.epochs, args.seed)
     steps = -(-len(order) // args.batch_size)
     model.compile(learning_rate=args.learning_rate, num_train_steps=steps)
-    x = common.take(texts, order) if pairs is None else (common.take(texts, order), common.take(pairs, order))
+    x = (
+        common.take(texts, order)
+        if pairs is None
+        else (common.take(texts, order), common.take(pairs, order))
+    )
     y = np.asarray(labels, "float32" if spec["kind"] == "score" else "int32")[order]
     start = time.time()
     model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=args.verbose)
     train_seconds = time.time() - start
     dev_x = dev_texts if dev_pairs is None else (dev_texts, dev_pairs)
     predictions = model.predict_classes(dev_x, batch_size=128)
-    result = {"task": args.task, "train_examples": len(texts), "dev_examples": len(dev_texts),
-              "epochs": args.epochs, "train_seconds": round(train_seconds, 1),
-              **glue_metrics(args.task, dev_labels, predictions)}
-    return common.finish(model, result, args.output_dir or os.path.join("runs", f"glue-{args.task}"))
+    result = {
+        "task": args.task,
+        "train_examples": len(texts),
+        "dev_examples": len(dev_texts),
+        "epochs": args.epochs,
+        "train_seconds": round(train_seconds, 1),
+        **glue_metrics(args.task, dev_labels, predictions),
+    }
+    return common.finish(
+        model, result, args.output_dir or os.path.join("runs", f"glue-{args.task}")
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ from kbert.data.finetuning import read_conll  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     data = os.path.join(common.SHARED_DATA, "conll2003")
     p.add_argument("--train-file", default=os.path.join(data, "eng.train"))
     p.add_argument("--eval-file", default=os.path.join(data, "eng.testb"))
@@ -36,7 +38,7 @@ def parse_args(argv=None):
 
 
 def label_list(tags):
-    """"O" first, then the entity tags sorted."""
+    """ "O" first, then the entity tags sorted."""
     return ["O"] + sorted({t for sentence in tags for t in sentence} - {"O"})
 
 
@@ -48,29 +50,51 @@ def main(argv=None):
     if args.max_train_examples:
         sentences, tags = sentences[: args.max_train_examples], tags[: args.max_train_examples]
     if args.max_eval_examples:
-        eval_sentences, eval_tags = eval_sentences[: args.max_eval_examples], eval_tags[: args.max_eval_examples]
+        eval_sentences, eval_tags = (
+            eval_sentences[: args.max_eval_examples],
+            eval_tags[: args.max_eval_examples],
+        )
     index = {t: i for i, t in enumerate(labels)}
     unknown = sorted({t for s in eval_tags for t in s} - set(index))
     if unknown:
         raise SystemExit(f"{args.eval_file} has tags not in the training data: {unknown}")
-    model = kbert.BertTokenClassifier.from_preset(args.preset, num_classes=len(labels), **common.task_kwargs(args))
+    model = kbert.BertTokenClassifier.from_preset(
+        args.preset, num_classes=len(labels), **common.task_kwargs(args)
+    )
     model.preprocessor.sequence_length = args.sequence_length
     order = common.epoch_order(len(sentences), args.epochs, args.seed)
-    x, y, weights, _ = model.encode_words(common.take(sentences, order),
-                                          [[index[t] for t in tags[i]] for i in order])
+    x, y, weights, _ = model.encode_words(
+        common.take(sentences, order), [[index[t] for t in tags[i]] for i in order]
+    )
     steps = -(-len(order) // args.batch_size)
     model.compile(learning_rate=args.learning_rate, num_train_steps=steps)
     start = time.time()
-    model.fit(x, y, sample_weight=weights, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=args.verbose)
+    model.fit(
+        x,
+        y,
+        sample_weight=weights,
+        batch_size=args.batch_size,
+        epochs=1,
+        shuffle=False,
+        verbose=args.verbose,
+    )
     train_seconds = time.time() - start
     predicted = model.predict_words(eval_sentences, batch_size=128)
     predicted_tags = [[labels[i] if i >= 0 else "O" for i in row] for row in predicted]
-    result = {"train_sentences": len(sentences), "eval_sentences": len(eval_sentences), "epochs": args.epochs,
-              "train_seconds": round(train_seconds, 1), "labels": labels,
-              "entity_f1": metrics.entity_f1(eval_tags, predicted_tags),
-              "token_accuracy": float(np.mean([p == t for ps, ts in zip(predicted_tags, eval_tags)
-                                               for p, t in zip(ps, ts)]))}
-    return common.finish(model, result, args.output_dir or os.path.join("runs", "ner"), quiet_keys=("labels",))
+    result = {
+        "train_sentences": len(sentences),
+        "eval_sentences": len(eval_sentences),
+        "epochs": args.epochs,
+        "train_seconds": round(train_seconds, 1),
+        "labels": labels,
+        "entity_f1": metrics.entity_f1(eval_tags, predicted_tags),
+        "token_accuracy": float(
+            np.mean([p == t for ps, ts in zip(predicted_tags, eval_tags) for p, t in zip(ps, ts)])
+        ),
+    }
+    return common.finish(
+        model, result, args.output_dir or os.path.join("runs", "ner"), quiet_keys=("labels",)
+    )
 
 
 if __name__ == "__main__":

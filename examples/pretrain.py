@@ -34,19 +34,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     data = p.add_argument_group("data")
-    data.add_argument("--corpus", nargs="+", default=[
-        os.path.join(HERE, "data", name)
-        for name in ("wikitext-2-valid.tokens.txt", "sherlock.txt", "tinyshakespeare.txt")])
-    data.add_argument("--format", default="auto", choices=["auto", "lines", "prose", "wikitext"],
-                      help="auto: wikitext if '= Title =' lines, else prose")
+    data.add_argument(
+        "--corpus",
+        nargs="+",
+        default=[
+            os.path.join(HERE, "data", name)
+            for name in ("wikitext-2-valid.tokens.txt", "sherlock.txt", "tinyshakespeare.txt")
+        ],
+    )
+    data.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "lines", "prose", "wikitext"],
+        help="auto: wikitext if '= Title =' lines, else prose",
+    )
     data.add_argument("--output-dir", default="runs/pretrain")
     data.add_argument("--vocab", default=None, help="existing vocab.txt (else one is trained)")
     data.add_argument("--vocab-size", type=int, default=6000)
     data.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
-    data.add_argument("--data-mode", default="static", choices=["static", "dynamic"],
-                      help="static: TFRecords written once; dynamic: fresh pairs and masks every epoch")
+    data.add_argument(
+        "--data-mode",
+        default="static",
+        choices=["static", "dynamic"],
+        help="static: TFRecords written once; dynamic: fresh pairs and masks every epoch",
+    )
     data.add_argument("--dupe-factor", type=int, default=3)
     data.add_argument("--shards", type=int, default=2)
     data.add_argument("--max-seq-length", type=int, default=128)
@@ -54,17 +69,25 @@ def parse_args(argv=None):
     data.add_argument("--masked-lm-prob", type=float, default=0.15)
     data.add_argument("--short-seq-prob", type=float, default=0.1)
     data.add_argument("--whole-word-mask", action="store_true")
-    data.add_argument("--eval-fraction", type=float, default=0.15, help="share of documents held out")
+    data.add_argument(
+        "--eval-fraction", type=float, default=0.15, help="share of documents held out"
+    )
     model = p.add_argument_group("model")
-    model.add_argument("--architecture", default=None, help="bert_tiny ... bert_large (overrides sizes)")
+    model.add_argument(
+        "--architecture", default=None, help="bert_tiny ... bert_large (overrides sizes)"
+    )
     model.add_argument("--num-layers", type=int, default=2)
     model.add_argument("--hidden-dim", type=int, default=128)
     model.add_argument("--num-heads", type=int, default=2)
     model.add_argument("--intermediate-dim", type=int, default=512)
     model.add_argument("--max-position", type=int, default=512)
     model.add_argument("--dropout", type=float, default=0.1)
-    model.add_argument("--attention-dropout", type=float, default=0.1,
-                       help="0 enables fused attention in training (the fast recipe)")
+    model.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.1,
+        help="0 enables fused attention in training (the fast recipe)",
+    )
     model.add_argument("--activation", default="gelu")
     train = p.add_argument_group("training")
     train.add_argument("--batch-size", type=int, default=64, help="global batch size")
@@ -74,11 +97,18 @@ def parse_args(argv=None):
     train.add_argument("--warmup-steps", type=int, default=60)
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--optimizer", default="adamw", choices=["adamw", "lamb"])
-    train.add_argument("--dtype", default="float32", choices=["float32", "mixed_bfloat16", "mixed_float16"])
+    train.add_argument(
+        "--dtype", default="float32", choices=["float32", "mixed_bfloat16", "mixed_float16"]
+    )
     train.add_argument("--steps-per-execution", type=int, default=1)
     train.add_argument("--jit-compile", default="auto", choices=["auto", "true", "false"])
     train.add_argument("--distribution", default="none", choices=ENGINES)
-    train.add_argument("--phase2-steps", type=int, default=0, help="then train this many steps at --phase2-seq-length")
+    train.add_argument(
+        "--phase2-steps",
+        type=int,
+        default=0,
+        help="then train this many steps at --phase2-seq-length",
+    )
     train.add_argument("--phase2-seq-length", type=int, default=512)
     train.add_argument("--phase2-batch-size", type=int, default=None)
     train.add_argument("--seed", type=int, default=12345)
@@ -91,7 +121,9 @@ def prepare_vocabulary(args):
     path = args.vocab or os.path.join(args.output_dir, "vocab.txt")
     if not os.path.isfile(path):
         print(f"training a {args.vocab_size}-token WordPiece vocabulary on {args.corpus}")
-        kbert.tokenizers.train_wordpiece_vocabulary(args.corpus, args.vocab_size, output=path, lowercase=args.lowercase)
+        kbert.tokenizers.train_wordpiece_vocabulary(
+            args.corpus, args.vocab_size, output=path, lowercase=args.lowercase
+        )
     return kbert.BertTokenizer(path, lowercase=args.lowercase)
 
 
@@ -103,7 +135,9 @@ def split_documents(args):
     random.Random(args.seed).shuffle(documents)
     held = max(2, int(len(documents) * args.eval_fraction))
     if len(documents) - held < 2:
-        raise SystemExit(f"the corpus has {len(documents)} documents; pre-training needs at least {held + 2}")
+        raise SystemExit(
+            f"the corpus has {len(documents)} documents; pre-training needs at least {held + 2}"
+        )
     return documents[held:], documents[:held]
 
 
@@ -118,7 +152,8 @@ def make_data(args, tokenizer, train_docs, eval_docs, seq_length):
     """TFRecord directories for training and held-out evaluation (made once)."""
     masking = MaskingConfig(
         max_seq_length=seq_length,
-        max_predictions_per_seq=args.max_predictions_per_seq if seq_length == args.max_seq_length
+        max_predictions_per_seq=args.max_predictions_per_seq
+        if seq_length == args.max_seq_length
         else max(args.max_predictions_per_seq, int(round(seq_length * args.masked_lm_prob))),
         masked_lm_prob=args.masked_lm_prob,
         short_seq_prob=args.short_seq_prob,
@@ -133,10 +168,15 @@ def make_data(args, tokenizer, train_docs, eval_docs, seq_length):
         write_lines(train_docs[i :: args.shards], path)
         shards.append(path)
     write_lines(eval_docs, os.path.join(text_dir, "eval.txt"))
-    for name, inputs, dupe in (("train", shards, args.dupe_factor), ("eval", [os.path.join(text_dir, "eval.txt")], 1)):
+    for name, inputs, dupe in (
+        ("train", shards, args.dupe_factor),
+        ("eval", [os.path.join(text_dir, "eval.txt")], 1),
+    ):
         out = os.path.join(root, name)
         if not os.path.isfile(os.path.join(out, "manifest.json")):
-            kbert.data.create_pretraining_data(inputs, tokenizer, out, masking=masking, dupe_factor=dupe, seed=args.seed)
+            kbert.data.create_pretraining_data(
+                inputs, tokenizer, out, masking=masking, dupe_factor=dupe, seed=args.seed
+            )
     return root, masking
 
 
@@ -147,28 +187,54 @@ def datasets(args, tokenizer, root, masking, train_docs, batch_size):
 
         def make_train(skip):
             return kbert.data.dynamic_pretraining_dataset(
-                tokenized, tokenizer, batch_size, masking, seed=args.seed, repeat=True, skip_batches=skip)
+                tokenized,
+                tokenizer,
+                batch_size,
+                masking,
+                seed=args.seed,
+                repeat=True,
+                skip_batches=skip,
+            )
     else:
         files = sorted(glob.glob(os.path.join(root, "train", "*.tfrecord")))
 
         def make_train(skip):
             return kbert.data.pretraining_dataset(
-                files, batch_size, t, p, seed=args.seed, repeat=True, skip_batches=skip)
+                files, batch_size, t, p, seed=args.seed, repeat=True, skip_batches=skip
+            )
+
     evaluation = kbert.data.pretraining_dataset(
-        os.path.join(root, "eval", "*.tfrecord"), batch_size, t, p, shuffle=False, drop_remainder=False)
+        os.path.join(root, "eval", "*.tfrecord"),
+        batch_size,
+        t,
+        p,
+        shuffle=False,
+        drop_remainder=False,
+    )
     return make_train, evaluation.take(args.eval_batches)
 
 
 def build_model(args, tokenizer, scope):
-    sizes = dict(num_layers=args.num_layers, num_heads=args.num_heads,
-                 hidden_dim=args.hidden_dim, intermediate_dim=args.intermediate_dim)
+    sizes = dict(
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        hidden_dim=args.hidden_dim,
+        intermediate_dim=args.intermediate_dim,
+    )
     if args.architecture:
-        sizes = {k: v for k, v in kbert.presets.architecture_config(args.architecture).items() if k in sizes}
+        sizes = {
+            k: v
+            for k, v in kbert.presets.architecture_config(args.architecture).items()
+            if k in sizes
+        }
     with scope:
         backbone = kbert.BertBackbone(
             vocabulary_size=tokenizer.vocabulary_size,
-            max_sequence_length=max(args.max_position, args.max_seq_length,
-                                    args.phase2_seq_length if args.phase2_steps else 0),
+            max_sequence_length=max(
+                args.max_position,
+                args.max_seq_length,
+                args.phase2_seq_length if args.phase2_steps else 0,
+            ),
             dropout=args.dropout,
             attention_dropout=args.attention_dropout,
             activation=args.activation,
@@ -181,10 +247,14 @@ def build_model(args, tokenizer, scope):
 
 
 def compile_model(model, args, scope, steps, warmup):
-    optimizer = create_optimizer(args.learning_rate, steps, warmup, args.weight_decay, kind=args.optimizer)
+    optimizer = create_optimizer(
+        args.learning_rate, steps, warmup, args.weight_decay, kind=args.optimizer
+    )
     jit = {"auto": "auto", "true": True, "false": False}[args.jit_compile]
     with scope:
-        model.compile(optimizer=optimizer, steps_per_execution=args.steps_per_execution, jit_compile=jit)
+        model.compile(
+            optimizer=optimizer, steps_per_execution=args.steps_per_execution, jit_compile=jit
+        )
 
 
 def callbacks(args, phase):
@@ -195,7 +265,9 @@ def callbacks(args, phase):
         import tensorboard  # noqa: F401
         import tensorflow  # noqa: F401  (TensorBoard writes through tf.summary)
 
-        out.append(keras.callbacks.TensorBoard(os.path.join(logs, "tensorboard", phase), update_freq=50))
+        out.append(
+            keras.callbacks.TensorBoard(os.path.join(logs, "tensorboard", phase), update_freq=50)
+        )
     except ImportError:
         print("TensorFlow/TensorBoard not installed: no TensorBoard logs (CSV log only)")
     return out
@@ -242,7 +314,9 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     started = time.time()
-    print(f"backend: {keras.backend.backend()}, distribution: {args.distribution}, dtype: {args.dtype}")
+    print(
+        f"backend: {keras.backend.backend()}, distribution: {args.distribution}, dtype: {args.dtype}"
+    )
 
     tokenizer = prepare_vocabulary(args)
     train_docs, eval_docs = split_documents(args)
@@ -255,7 +329,14 @@ def main(argv=None):
     total = args.steps + args.phase2_steps
     phases = [("phase1", args.max_seq_length, args.batch_size, args.steps)]
     if args.phase2_steps:
-        phases.append(("phase2", args.phase2_seq_length, args.phase2_batch_size or args.batch_size, args.phase2_steps))
+        phases.append(
+            (
+                "phase2",
+                args.phase2_seq_length,
+                args.phase2_batch_size or args.batch_size,
+                args.phase2_steps,
+            )
+        )
     compile_model(model, args, scope, total, args.warmup_steps)
     done = 0
     for phase, seq_length, batch_size, steps in phases:
@@ -282,8 +363,12 @@ def main(argv=None):
     model.save(keras_path)
     model.save_to_preset(preset_dir)
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump({k: float(v) for k, v in results.items()} | {"seconds": time.time() - started,
-                  "backend": keras.backend.backend()}, f, indent=2)
+        json.dump(
+            {k: float(v) for k, v in results.items()}
+            | {"seconds": time.time() - started, "backend": keras.backend.backend()},
+            f,
+            indent=2,
+        )
     curves = plot(args)
     print(f"saved {keras_path}")
     print(f"saved preset {preset_dir} (load with kbert.BertBackbone.from_preset)")

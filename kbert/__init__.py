@@ -1,6 +1,5 @@
 """kbert: BERT for Keras 3 on JAX, PyTorch and TensorFlow."""
 
-from kbert.version import __version__
 from kbert import layers, metrics, presets
 from kbert.models import (
     BertBackbone,
@@ -14,6 +13,7 @@ from kbert.models import (
     BertTokenClassifier,
 )
 from kbert.tokenizers import BertTokenizer
+from kbert.version import __version__
 
 __all__ = [
     "BertBackbone",

@@ -70,9 +70,13 @@ def _load_any(source, allow_pickle=False):
         if architecture == "BertForMaskedLM":
             return kbert.BertMaskedLM.from_preset(source)
         if architecture == "BertForSequenceClassification":
-            return kbert.BertClassifier.from_preset(source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2))
+            return kbert.BertClassifier.from_preset(
+                source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2)
+            )
         if architecture == "BertForTokenClassification":
-            return kbert.BertTokenClassifier.from_preset(source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2))
+            return kbert.BertTokenClassifier.from_preset(
+                source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2)
+            )
         if architecture == "BertForQuestionAnswering":
             return kbert.BertQuestionAnswerer.from_preset(source)
     return kbert.BertBackbone.from_preset(source)
@@ -91,12 +95,15 @@ def _convert(args):
 
 
 def _pretrain(args, rest):
-    import runpy
     import os
+    import runpy
 
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain.py")
     if not os.path.isfile(script):
-        print("kbert pretrain needs examples/pretrain.py (run from a source checkout)", file=sys.stderr)
+        print(
+            "kbert pretrain needs examples/pretrain.py (run from a source checkout)",
+            file=sys.stderr,
+        )
         return 2
     sys.argv = [script] + rest
     runpy.run_path(script, run_name="__main__")
@@ -112,7 +119,9 @@ def build_parser():
         "create-pretraining-data",
         help="documents -> MLM/NSP TFRecords (original BERT feature format)",
     )
-    create.add_argument("--input", nargs="+", required=True, help="corpus files, one output shard each")
+    create.add_argument(
+        "--input", nargs="+", required=True, help="corpus files, one output shard each"
+    )
     create.add_argument("--vocab", required=True, help="vocab.txt")
     create.add_argument("--output", required=True, help="output directory")
     create.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)

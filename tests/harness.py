@@ -27,7 +27,9 @@ def to_numpy(tree):
 def max_abs_diff(a, b):
     a, b = keras.tree.flatten(to_numpy(a)), keras.tree.flatten(to_numpy(b))
     assert len(a) == len(b)
-    return max(float(np.max(np.abs(x.astype("float64") - y.astype("float64")))) for x, y in zip(a, b))
+    return max(
+        float(np.max(np.abs(x.astype("float64") - y.astype("float64")))) for x, y in zip(a, b)
+    )
 
 
 def backbone_inputs(batch=3, length=10, vocabulary_size=97, seed=0):
@@ -35,7 +37,7 @@ def backbone_inputs(batch=3, length=10, vocabulary_size=97, seed=0):
     rng = np.random.default_rng(seed)
     mask = np.ones((batch, length), "int32")
     for row in range(1, batch):
-        mask[row, max(1, length - 3 * row):] = 0
+        mask[row, max(1, length - 3 * row) :] = 0
     return {
         "token_ids": (rng.integers(1, vocabulary_size, (batch, length)) * mask).astype("int32"),
         "segment_ids": (rng.integers(0, 2, (batch, length)) * mask).astype("int32"),
@@ -85,7 +87,9 @@ def load_in_backend(backend, artifact, inputs_path, outputs_path):
         """
     )
     env = dict(os.environ, KERAS_BACKEND=backend, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     with np.load(outputs_path) as f:
         return [f[f"arr_{i}"] for i in range(len(f.files))]

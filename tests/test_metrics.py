@@ -31,7 +31,11 @@ def test_correlations_match_scipy():
 def test_entity_f1_follows_conlleval_chunking():
     # IOB1 (CoNLL-2003 files): an I- after O starts a chunk; B- only splits same-type neighbours
     assert metrics.entities(["I-PER", "I-PER", "O", "I-LOC", "B-LOC", "I-ORG"]) == [
-        ("PER", 0, 1), ("LOC", 3, 3), ("LOC", 4, 4), ("ORG", 5, 5)]
+        ("PER", 0, 1),
+        ("LOC", 3, 3),
+        ("LOC", 4, 4),
+        ("ORG", 5, 5),
+    ]
     true = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG"]]
     pred = [["B-PER", "I-PER", "O", "B-ORG"], ["B-ORG"]]
     # gold 3 entities, predicted 3, 2 correct
@@ -44,7 +48,9 @@ def test_entity_f1_follows_conlleval_chunking():
 
 def test_squad_scores_use_official_normalisation():
     assert metrics.normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
-    scores = metrics.squad_scores(["the Eiffel Tower", "in Paris France", ""], [["Eiffel Tower"], ["Paris"], [""]])
+    scores = metrics.squad_scores(
+        ["the Eiffel Tower", "in Paris France", ""], [["Eiffel Tower"], ["Paris"], [""]]
+    )
     assert scores["exact_match"] == pytest.approx(200 / 3)
     # second: precision 1/3, recall 1 -> F1 0.5; third: no-answer matched
     assert scores["f1"] == pytest.approx(100 * (1 + 0.5 + 1) / 3)

@@ -60,13 +60,19 @@ def backbone_config_from_hf(hf_config, source="config.json"):
             f"{source} uses position_embedding_type={position_type!r}; kbert BERT has "
             "learned absolute positions only"
         )
-    config = {ours: hf_config[theirs] for theirs, ours in HF_TO_KBERT_CONFIG.items() if theirs in hf_config}
+    config = {
+        ours: hf_config[theirs]
+        for theirs, ours in HF_TO_KBERT_CONFIG.items()
+        if theirs in hf_config
+    }
     if "activation" in config:
         config["activation"] = canonical_activation(config["activation"])
     required = ["vocabulary_size", "num_layers", "num_heads", "hidden_dim", "intermediate_dim"]
     absent = [k for k in required if k not in config]
     if absent:
-        raise PresetError(f"{source} lacks {absent} (Hugging Face names: {[k for k, v in HF_TO_KBERT_CONFIG.items() if v in absent]})")
+        raise PresetError(
+            f"{source} lacks {absent} (Hugging Face names: {[k for k, v in HF_TO_KBERT_CONFIG.items() if v in absent]})"
+        )
     return config
 
 
@@ -81,7 +87,9 @@ def load_state_dict(directory, allow_pickle=False):
         if os.path.isfile(single):
             return load_file(preset_file(directory, "model.safetensors"))
         if os.path.isfile(index):
-            shards = sorted(set(read_json(directory, "model.safetensors.index.json")["weight_map"].values()))
+            shards = sorted(
+                set(read_json(directory, "model.safetensors.index.json")["weight_map"].values())
+            )
             state = {}
             for shard in shards:
                 state.update(load_file(preset_file(directory, shard)))
@@ -100,7 +108,9 @@ def load_state_dict(directory, allow_pickle=False):
         state = torch.load(
             preset_file(directory, "pytorch_model.bin"), map_location="cpu", weights_only=True
         )
-        return {k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()}
+        return {
+            k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()
+        }
     raise PresetError(f"{directory} has no model.safetensors (or sharded index) to load")
 
 
@@ -108,7 +118,9 @@ def _normalise_names(state):
     """Old checkpoints say LayerNorm.gamma/beta; newer ones weight/bias."""
     out = {}
     for name, value in state.items():
-        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace(
+            "LayerNorm.beta", "LayerNorm.bias"
+        )
         value = np.asarray(value)
         if value.dtype.kind == "f" or value.dtype.name == "bfloat16":
             value = value.astype(np.float32)
@@ -147,7 +159,9 @@ def backbone_weights_from_hf(state, num_layers):
     for i in range(num_layers):
         hf, ours = f"encoder.layer.{i}.", f"transformer_layer_{i}/"
         qkv = [f"attention.self.{n}" for n in ("query", "key", "value")]
-        w[ours + "self_attention/qkv/kernel"] = np.concatenate([get(hf + n + ".weight", True) for n in qkv], axis=1)
+        w[ours + "self_attention/qkv/kernel"] = np.concatenate(
+            [get(hf + n + ".weight", True) for n in qkv], axis=1
+        )
         w[ours + "self_attention/qkv/bias"] = np.concatenate([get(hf + n + ".bias") for n in qkv])
         for theirs, mine in [
             ("attention.output.dense", "self_attention/output"),
@@ -175,16 +189,24 @@ def _config_and_state(directory, allow_pickle=False, with_state=True):
 
     if tf_checkpoint.is_tf_checkpoint_dir(directory):
         config = tf_checkpoint.read_config(directory)
-        return config, (_normalise_names(tf_checkpoint.read_state(directory)) if with_state else None)
+        return config, (
+            _normalise_names(tf_checkpoint.read_state(directory)) if with_state else None
+        )
     config = read_json(directory, "config.json")
-    return config, (_normalise_names(load_state_dict(directory, allow_pickle=allow_pickle)) if with_state else None)
+    return config, (
+        _normalise_names(load_state_dict(directory, allow_pickle=allow_pickle))
+        if with_state
+        else None
+    )
 
 
 def load_backbone(directory, load_weights=True, allow_pickle=False, **overrides):
     from kbert.models.backbone import BertBackbone
 
     hf_config, _ = _config_and_state(directory, with_state=False)
-    config = backbone_config_from_hf(hf_config, f"{directory}/config.json")  # refuses other models first
+    config = backbone_config_from_hf(
+        hf_config, f"{directory}/config.json"
+    )  # refuses other models first
     state = _config_and_state(directory, allow_pickle)[1] if load_weights else None
     backbone = BertBackbone(**{**config, **overrides})
     if load_weights:
@@ -228,11 +250,17 @@ def _head_weights(model, state):
     if name in ("BertClassifier", "BertTokenClassifier", "BertMultipleChoice"):
         if "classifier.weight" not in state:
             return None
-        return {"logits/kernel": state["classifier.weight"].T, "logits/bias": state["classifier.bias"]}
+        return {
+            "logits/kernel": state["classifier.weight"].T,
+            "logits/bias": state["classifier.bias"],
+        }
     if name == "BertQuestionAnswerer":
         if "qa_outputs.weight" not in state:
             return None
-        return {"logits/kernel": state["qa_outputs.weight"].T, "logits/bias": state["qa_outputs.bias"]}
+        return {
+            "logits/kernel": state["qa_outputs.weight"].T,
+            "logits/bias": state["qa_outputs.bias"],
+        }
     return None
 
 
@@ -255,7 +283,13 @@ def load_task_head(model, directory):
     return True
 
 
-KBERT_TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "tanh": "tanh", "silu": "silu"}
+KBERT_TO_HF_ACTIVATION = {
+    "gelu": "gelu",
+    "gelu_tanh": "gelu_new",
+    "relu": "relu",
+    "tanh": "tanh",
+    "silu": "silu",
+}
 HF_ARCHITECTURES = {
     "BertBackbone": "BertModel",
     "BertPreTrainer": "BertForPreTraining",
@@ -285,8 +319,8 @@ def backbone_state_to_hf(backbone, prefix=""):
         ours, hf = f"transformer_layer_{i}/", f"encoder.layer.{i}."
         kernel, bias = w[ours + "self_attention/qkv/kernel"], w[ours + "self_attention/qkv/bias"]
         for j, name in enumerate(("query", "key", "value")):
-            out[hf + f"attention.self.{name}.weight"] = kernel[:, j * h:(j + 1) * h].T
-            out[hf + f"attention.self.{name}.bias"] = bias[j * h:(j + 1) * h]
+            out[hf + f"attention.self.{name}.weight"] = kernel[:, j * h : (j + 1) * h].T
+            out[hf + f"attention.self.{name}.bias"] = bias[j * h : (j + 1) * h]
         for theirs, mine in [
             ("attention.output.dense", "self_attention/output"),
             ("intermediate.dense", "intermediate_dense"),
@@ -294,7 +328,10 @@ def backbone_state_to_hf(backbone, prefix=""):
         ]:
             out[hf + theirs + ".weight"] = w[ours + mine + "/kernel"].T
             out[hf + theirs + ".bias"] = w[ours + mine + "/bias"]
-        for theirs, mine in [("attention.output.LayerNorm", "attention_layer_norm"), ("output.LayerNorm", "output_layer_norm")]:
+        for theirs, mine in [
+            ("attention.output.LayerNorm", "attention_layer_norm"),
+            ("output.LayerNorm", "output_layer_norm"),
+        ]:
             out[hf + theirs + ".weight"] = w[ours + mine + "/gamma"]
             out[hf + theirs + ".bias"] = w[ours + mine + "/beta"]
     return {prefix + k: v for k, v in out.items()}
@@ -333,16 +370,22 @@ def export_to_huggingface(model, directory):
         "position_embedding_type": "absolute",
         "pad_token_id": 0,
     }
-    heads = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights} if name != "BertBackbone" else {}
+    heads = (
+        {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights}
+        if name != "BertBackbone"
+        else {}
+    )
     if name in ("BertPreTrainer", "BertMaskedLM"):
-        state.update({
-            "cls.predictions.transform.dense.weight": heads["mlm_head/transform/kernel"].T,
-            "cls.predictions.transform.dense.bias": heads["mlm_head/transform/bias"],
-            "cls.predictions.transform.LayerNorm.weight": heads["mlm_head/layer_norm/gamma"],
-            "cls.predictions.transform.LayerNorm.bias": heads["mlm_head/layer_norm/beta"],
-            "cls.predictions.bias": heads["mlm_head/output_bias"],
-            "cls.predictions.decoder.bias": heads["mlm_head/output_bias"],
-        })
+        state.update(
+            {
+                "cls.predictions.transform.dense.weight": heads["mlm_head/transform/kernel"].T,
+                "cls.predictions.transform.dense.bias": heads["mlm_head/transform/bias"],
+                "cls.predictions.transform.LayerNorm.weight": heads["mlm_head/layer_norm/gamma"],
+                "cls.predictions.transform.LayerNorm.bias": heads["mlm_head/layer_norm/beta"],
+                "cls.predictions.bias": heads["mlm_head/output_bias"],
+                "cls.predictions.decoder.bias": heads["mlm_head/output_bias"],
+            }
+        )
         if name == "BertPreTrainer":
             state["cls.seq_relationship.weight"] = heads["nsp_head/dense/kernel"].T
             state["cls.seq_relationship.bias"] = heads["nsp_head/dense/bias"]
@@ -360,20 +403,30 @@ def export_to_huggingface(model, directory):
     elif name == "BertQuestionAnswerer":
         state["qa_outputs.weight"] = heads["logits/kernel"].T
         state["qa_outputs.bias"] = heads["logits/bias"]
-    if name in ("BertTokenClassifier", "BertQuestionAnswerer"):  # transformers builds these without a pooler
+    if name in (
+        "BertTokenClassifier",
+        "BertQuestionAnswerer",
+    ):  # transformers builds these without a pooler
         state = {k: v for k, v in state.items() if not k.startswith("bert.pooler.")}
-    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, os.path.join(directory, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in state.items()},
+        os.path.join(directory, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     preprocessor = getattr(model, "preprocessor", None)
     if preprocessor is not None:
         preprocessor.tokenizer.save(directory)
         with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-            json.dump({
-                "tokenizer_class": "BertTokenizer",
-                "do_lower_case": preprocessor.tokenizer.lowercase,
-                "model_max_length": backbone.max_sequence_length,
-                **{f"{k}_token": v for k, v in preprocessor.tokenizer.special_tokens.items()},
-            }, f, indent=2)
+            json.dump(
+                {
+                    "tokenizer_class": "BertTokenizer",
+                    "do_lower_case": preprocessor.tokenizer.lowercase,
+                    "model_max_length": backbone.max_sequence_length,
+                    **{f"{k}_token": v for k, v in preprocessor.tokenizer.special_tokens.items()},
+                },
+                f,
+                indent=2,
+            )
     return directory

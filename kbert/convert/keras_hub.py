@@ -32,7 +32,9 @@ def is_keras_hub_dir(directory):
             config = json.load(f)
     except ValueError:
         return False
-    return isinstance(config, dict) and str(config.get("registered_name", "")).startswith("keras_hub>")
+    return isinstance(config, dict) and str(config.get("registered_name", "")).startswith(
+        "keras_hub>"
+    )
 
 
 def backbone_config(directory):
@@ -70,9 +72,11 @@ def read_h5_weights(path):
     out = {}
     try:
         with h5py.File(path, "r") as f:
+
             def visit(name, obj):
                 if isinstance(obj, h5py.Dataset):
                     out[name] = np.asarray(obj[()])
+
             f.visititems(visit)
     except OSError as e:
         raise PresetError(f"{path} is not a readable HDF5 weights file: {e}") from e
@@ -82,7 +86,11 @@ def read_h5_weights(path):
 def _layer_vars(raw, layer):
     """Arrays of one layer (by its path in the h5 file), in creation order."""
     prefix = f"layers/{layer}/vars/"
-    found = {int(k[len(prefix):]): v for k, v in raw.items() if k.startswith(prefix) and k[len(prefix):].isdigit()}
+    found = {
+        int(k[len(prefix) :]): v
+        for k, v in raw.items()
+        if k.startswith(prefix) and k[len(prefix) :].isdigit()
+    }
     return [found[i] for i in sorted(found)]
 
 
@@ -93,7 +101,9 @@ def backbone_weights(raw, config, source):
     def get(layer, count):
         values = _layer_vars(raw, layer)
         if len(values) != count:
-            raise PresetError(f"{source}: expected {count} variables under {layer!r}, found {len(values)}")
+            raise PresetError(
+                f"{source}: expected {count} variables under {layer!r}, found {len(values)}"
+            )
         return values
 
     # Keras names the h5 groups after each layer's class, in model order:
@@ -102,7 +112,9 @@ def backbone_weights(raw, config, source):
     w["embeddings/token_embedding/embeddings"] = get("reversible_embedding", 1)[0]
     w["embeddings/position_embeddings"] = get("position_embedding", 1)[0]
     w["embeddings/segment_embedding/embeddings"] = get("embedding", 1)[0]
-    w["embeddings/layer_norm/gamma"], w["embeddings/layer_norm/beta"] = get("layer_normalization", 2)
+    w["embeddings/layer_norm/gamma"], w["embeddings/layer_norm/beta"] = get(
+        "layer_normalization", 2
+    )
     for i in range(config["num_layers"]):
         src = "transformer_encoder" + (f"_{i}" if i else "") + "/"
         dst = f"transformer_layer_{i}/"
@@ -114,7 +126,10 @@ def backbone_weights(raw, config, source):
         w[dst + "self_attention/qkv/kernel"] = np.concatenate(kernels, axis=1)
         w[dst + "self_attention/qkv/bias"] = np.concatenate(biases)
         kernel, bias = get(src + "_self_attention_layer/output_dense", 2)
-        w[dst + "self_attention/output/kernel"], w[dst + "self_attention/output/bias"] = kernel.reshape(h, h), bias
+        w[dst + "self_attention/output/kernel"], w[dst + "self_attention/output/bias"] = (
+            kernel.reshape(h, h),
+            bias,
+        )
         for theirs, mine, names in [
             ("_self_attention_layer_norm", "attention_layer_norm", ("gamma", "beta")),
             ("_feedforward_intermediate_dense", "intermediate_dense", ("kernel", "bias")),
@@ -139,8 +154,12 @@ def load_backbone(directory, load_weights=True, **overrides):
         source = f"keras-hub weights in {path}"
         from kbert.presets.io import new_adapters
 
-        assign_weights(backbone, backbone_weights(read_h5_weights(path), config, source), source=source,
-                       allow_missing=new_adapters({}, overrides))
+        assign_weights(
+            backbone,
+            backbone_weights(read_h5_weights(path), config, source),
+            source=source,
+            allow_missing=new_adapters({}, overrides),
+        )
     return backbone
 
 
@@ -153,8 +172,12 @@ def load_tokenizer(directory):
         return None
     lowercase = False
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        lowercase = bool(read_json(directory, "tokenizer.json").get("config", {}).get("lowercase", False))
+        lowercase = bool(
+            read_json(directory, "tokenizer.json").get("config", {}).get("lowercase", False)
+        )
     root = os.path.realpath(directory)
-    if os.path.realpath(vocab) != os.path.join(root, VOCABULARY_FILE):  # a symlink on the way leads out
+    if os.path.realpath(vocab) != os.path.join(
+        root, VOCABULARY_FILE
+    ):  # a symlink on the way leads out
         raise PresetError(f"{vocab} resolves outside {directory}; refusing to read it")
     return BertTokenizer(vocab, lowercase=lowercase)

@@ -27,7 +27,11 @@ def load_arrays(directory_or_files, max_seq_length, max_predictions_per_seq):
 def statistics(arrays, cls_id, sep_id, mask_id, pad_id=0):
     """The numbers the paper's recipe fixes, measured on generated examples."""
     ids, mask, seg = arrays["input_ids"], arrays["input_mask"], arrays["segment_ids"]
-    pos, labels, weights = arrays["masked_lm_positions"], arrays["masked_lm_ids"], arrays["masked_lm_weights"]
+    pos, labels, weights = (
+        arrays["masked_lm_positions"],
+        arrays["masked_lm_ids"],
+        arrays["masked_lm_weights"],
+    )
     real = weights > 0
     n = len(ids)
     chosen_tokens = np.take_along_axis(ids, pos, axis=1)
@@ -35,7 +39,9 @@ def statistics(arrays, cls_id, sep_id, mask_id, pad_id=0):
     non_special = ((ids != cls_id) & (ids != sep_id) & (mask == 1)).sum(1)
     # Original ids at chosen positions, to tell [MASK] / kept / random apart.
     originals = ids.copy()
-    np.put_along_axis(originals, pos, np.where(real, labels, np.take_along_axis(ids, pos, 1)), axis=1)
+    np.put_along_axis(
+        originals, pos, np.where(real, labels, np.take_along_axis(ids, pos, 1)), axis=1
+    )
     special_chosen = int(((labels == cls_id) | (labels == sep_id) | (labels == pad_id))[real].sum())
     replaced_mask = (chosen_tokens == mask_id) & real
     kept = (chosen_tokens == labels) & real & ~replaced_mask
@@ -46,11 +52,17 @@ def statistics(arrays, cls_id, sep_id, mask_id, pad_id=0):
         seps = np.flatnonzero(originals[row, :length] == sep_id)
         expected = np.zeros(length, int)
         if len(seps) >= 2:
-            expected[seps[0] + 1:length] = 1
+            expected[seps[0] + 1 : length] = 1
         segment_errors += int(
-            ids[row, 0] != cls_id or originals[row, length - 1] != sep_id or (seg[row, :length] != expected).any() or (seg[row, length:] != 0).any()
+            ids[row, 0] != cls_id
+            or originals[row, length - 1] != sep_id
+            or (seg[row, :length] != expected).any()
+            or (seg[row, length:] != 0).any()
         )
-    weights_ok = bool(((weights == 1.0) | (weights == 0.0)).all() and (real == (np.arange(pos.shape[1]) < real.sum(1, keepdims=True))).all())
+    weights_ok = bool(
+        ((weights == 1.0) | (weights == 0.0)).all()
+        and (real == (np.arange(pos.shape[1]) < real.sum(1, keepdims=True))).all()
+    )
     return {
         "examples": int(n),
         "mean_length": float(lengths.mean()),

@@ -47,7 +47,7 @@ def _read_text(path):
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"corpus file {path!r} is not UTF-8 (byte {e.start}: {data[e.start:e.start + 4]!r}); "
+            f"corpus file {path!r} is not UTF-8 (byte {e.start}: {data[e.start : e.start + 4]!r}); "
             "convert it, e.g. iconv -f latin1 -t utf-8"
         ) from e
 
@@ -56,7 +56,7 @@ def _strip_gutenberg(text):
     start = re.search(r"^\*\*\* ?START OF .*$", text, re.M)
     end = re.search(r"^\*\*\* ?END OF .*$", text, re.M)
     if start and end and start.end() < end.start():
-        return text[start.end():end.start()]
+        return text[start.end() : end.start()]
     return text
 
 
@@ -79,13 +79,19 @@ def _paragraphs(text):
             yield paragraph
 
 
-def documents_from_text(text, format="lines", min_document_sentences=20, splitter=None, report=None):
+def documents_from_text(
+    text, format="lines", min_document_sentences=20, splitter=None, report=None
+):
     """One file's text -> list of documents (lists of sentence strings)."""
     report = report if report is not None else CorpusReport()
     if format not in FORMATS:
         raise ValueError(f"unknown corpus format {format!r}; use one of {FORMATS}")
     if format == "auto":
-        format = "wikitext" if any(_WIKI_TITLE.match(line) for line in text.splitlines()[:200]) else "prose"
+        format = (
+            "wikitext"
+            if any(_WIKI_TITLE.match(line) for line in text.splitlines()[:200])
+            else "prose"
+        )
     documents = [[]]
     if format == "lines":
         for line in text.splitlines():
@@ -144,16 +150,22 @@ def read_documents(inputs, format="lines", min_document_sentences=20, report=Non
     for item in inputs:
         if isinstance(item, os.PathLike) or (isinstance(item, str) and os.path.isfile(item)):
             report.files += 1
-            documents += documents_from_text(_read_text(os.fspath(item)), format, min_document_sentences, report=report)
+            documents += documents_from_text(
+                _read_text(os.fspath(item)), format, min_document_sentences, report=report
+            )
         elif isinstance(item, str):
             if os.sep in item and not any(c.isspace() for c in item):  # a path, not prose
                 raise ValueError(f"corpus file {item!r} does not exist")
             splitter = splitter or SentenceSplitter()
             _add_document([s for p in _paragraphs(item) for s in splitter(p)], documents, report)
         elif isinstance(item, (list, tuple)):
-            _add_document([s.strip() for s in item if isinstance(s, str) and s.strip()], documents, report)
+            _add_document(
+                [s.strip() for s in item if isinstance(s, str) and s.strip()], documents, report
+            )
         else:
-            raise ValueError(f"expected a file path, a document string or a list of sentences, got {type(item).__name__}")
+            raise ValueError(
+                f"expected a file path, a document string or a list of sentences, got {type(item).__name__}"
+            )
     if not documents:
         raise ValueError(f"the corpus is empty: no sentences in {inputs!r}"[:300])
     return documents

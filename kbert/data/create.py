@@ -13,7 +13,12 @@ import os
 import random
 
 from kbert.data.corpus import CorpusReport, read_documents
-from kbert.data.pretraining import InstanceMaker, MaskingConfig, instances_to_arrays, tokenize_documents
+from kbert.data.pretraining import (
+    InstanceMaker,
+    MaskingConfig,
+    instances_to_arrays,
+    tokenize_documents,
+)
 
 
 def _shard_instances(args):
@@ -22,10 +27,14 @@ def _shard_instances(args):
 
     tokenizer = BertTokenizer(**tokenizer_state)
     report = CorpusReport()
-    documents = tokenize_documents(read_documents([path], format=format, report=report), tokenizer, report)
+    documents = tokenize_documents(
+        read_documents([path], format=format, report=report), tokenizer, report
+    )
     rng = random.Random(f"{seed}:{index}")
     instances = InstanceMaker(tokenizer, masking).from_documents(documents, rng, dupe_factor)
-    arrays = instances_to_arrays(instances, masking.max_seq_length, masking.max_predictions_per_seq, tokenizer.pad_id)
+    arrays = instances_to_arrays(
+        instances, masking.max_seq_length, masking.max_predictions_per_seq, tokenizer.pad_id
+    )
     return index, arrays, len(instances), dataclasses.asdict(report)
 
 
@@ -57,12 +66,14 @@ def create_pretraining_data(
     Returns:
         dict: the manifest (files, instance counts, corpus report, settings).
     """
-    from kbert.data.tfrecords import FEATURE_NAMES, _example
-
     import tensorflow as tf
 
+    from kbert.data.tfrecords import FEATURE_NAMES, _example
+
     masking = masking or MaskingConfig()
-    inputs = [os.fspath(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    inputs = [
+        os.fspath(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
+    ]
     if not inputs:
         raise ValueError("no input files given")
     for path in inputs:
@@ -93,7 +104,9 @@ def create_pretraining_data(
             with tf.io.TFRecordWriter(os.path.join(output_dir, name)) as writer:
                 for row in range(count):
                     writer.write(_example(arrays, row).SerializeToString())
-            files.append({"file": name, "source": os.path.basename(inputs[index]), "instances": count})
+            files.append(
+                {"file": name, "source": os.path.basename(inputs[index]), "instances": count}
+            )
             total += count
             for key, value in shard_report.items():
                 setattr(report, key, getattr(report, key) + value)

@@ -10,10 +10,16 @@ import os
 
 # task: (file columns of text a, text b or None, label; header line?; label kind)
 GLUE_TASKS = {
-    "sst2": dict(text=0, pair=None, label=1, header=True, kind="class", num_classes=2, metric="accuracy"),
-    "cola": dict(text=3, pair=None, label=1, header=False, kind="class", num_classes=2, metric="mcc"),
+    "sst2": dict(
+        text=0, pair=None, label=1, header=True, kind="class", num_classes=2, metric="accuracy"
+    ),
+    "cola": dict(
+        text=3, pair=None, label=1, header=False, kind="class", num_classes=2, metric="mcc"
+    ),
     "mrpc": dict(text=3, pair=4, label=0, header=True, kind="class", num_classes=2, metric="f1"),
-    "stsb": dict(text=7, pair=8, label=9, header=True, kind="score", num_classes=1, metric="pearson"),
+    "stsb": dict(
+        text=7, pair=8, label=9, header=True, kind="score", num_classes=1, metric="pearson"
+    ),
 }
 GLUE_DIRS = {"sst2": "SST-2", "cola": "CoLA", "mrpc": "MRPC", "stsb": "STS-B"}
 
@@ -46,7 +52,9 @@ def read_glue(task, path):
         if spec["pair"] is not None:
             pairs.append(row[spec["pair"]])
         try:
-            labels.append(float(row[spec["label"]]) if spec["kind"] == "score" else int(row[spec["label"]]))
+            labels.append(
+                float(row[spec["label"]]) if spec["kind"] == "score" else int(row[spec["label"]])
+            )
         except ValueError as e:
             raise ValueError(f"{path}:{number}: bad label {row[spec['label']]!r}") from e
     if not texts:
@@ -100,11 +108,16 @@ def read_squad(path):
         for paragraph in article["paragraphs"]:
             for qa in paragraph["qas"]:
                 answers = [] if qa.get("is_impossible") else qa.get("answers", [])
-                examples.append({
-                    "id": qa["id"],
-                    "title": article.get("title", ""),
-                    "question": qa["question"],
-                    "context": paragraph["context"],
-                    "answers": [{"text": a["text"], "answer_start": int(a["answer_start"])} for a in answers],
-                })
+                examples.append(
+                    {
+                        "id": qa["id"],
+                        "title": article.get("title", ""),
+                        "question": qa["question"],
+                        "context": paragraph["context"],
+                        "answers": [
+                            {"text": a["text"], "answer_start": int(a["answer_start"])}
+                            for a in answers
+                        ],
+                    }
+                )
     return examples

@@ -32,7 +32,9 @@ def export_numpy(tfrecord_dir, output_dir):
     with open(os.path.join(tfrecord_dir, "manifest.json")) as f:
         manifest = json.load(f)
     masking = manifest["masking"]
-    arrays = load_arrays(tfrecord_dir, masking["max_seq_length"], masking["max_predictions_per_seq"])
+    arrays = load_arrays(
+        tfrecord_dir, masking["max_seq_length"], masking["max_predictions_per_seq"]
+    )
     os.makedirs(output_dir, exist_ok=True)
     for original, name in _FROM_ORIGINAL.items():
         value = arrays[original]
@@ -40,7 +42,15 @@ def export_numpy(tfrecord_dir, output_dir):
         value = value.astype("float32" if name == "mask_weights" else "int32")
         np.save(os.path.join(output_dir, f"{name}.npy"), value)
     with open(os.path.join(output_dir, "manifest.json"), "w") as f:
-        json.dump({**manifest, "format": "kbert-pretraining-npy", "examples": int(len(arrays["input_ids"]))}, f, indent=2)
+        json.dump(
+            {
+                **manifest,
+                "format": "kbert-pretraining-npy",
+                "examples": int(len(arrays["input_ids"])),
+            },
+            f,
+            indent=2,
+        )
     return output_dir
 
 
@@ -56,17 +66,24 @@ class NumpyPretrainingData(keras.utils.PyDataset):
 
     def __init__(self, directory, batch_size, shuffle=True, seed=0, **kwargs):
         super().__init__(**kwargs)
-        missing = [n for n in X_NAMES + Y_NAMES if not os.path.isfile(os.path.join(directory, f"{n}.npy"))]
+        missing = [
+            n for n in X_NAMES + Y_NAMES if not os.path.isfile(os.path.join(directory, f"{n}.npy"))
+        ]
         if missing:
             raise ValueError(f"{directory} lacks {missing}; write it with kbert.data.export_numpy")
-        self.arrays = {n: np.load(os.path.join(directory, f"{n}.npy"), mmap_mode="r") for n in X_NAMES + Y_NAMES}
+        self.arrays = {
+            n: np.load(os.path.join(directory, f"{n}.npy"), mmap_mode="r")
+            for n in X_NAMES + Y_NAMES
+        }
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
         self.count = len(self.arrays["token_ids"])
         if self.count < batch_size:
-            raise ValueError(f"{directory} has {self.count} examples, fewer than batch_size={batch_size}")
+            raise ValueError(
+                f"{directory} has {self.count} examples, fewer than batch_size={batch_size}"
+            )
         self._order = self._make_order()
 
     def _make_order(self):
@@ -78,7 +95,7 @@ class NumpyPretrainingData(keras.utils.PyDataset):
         return self.count // self.batch_size
 
     def __getitem__(self, index):
-        rows = np.sort(self._order[index * self.batch_size:(index + 1) * self.batch_size])
+        rows = np.sort(self._order[index * self.batch_size : (index + 1) * self.batch_size])
         x = {n: np.asarray(self.arrays[n][rows]) for n in X_NAMES}
         y = {n: np.asarray(self.arrays[n][rows]) for n in Y_NAMES}
         return x, y

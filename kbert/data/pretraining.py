@@ -20,7 +20,6 @@ Shapes: B batch, T tokens (max_seq_length), P predictions (max_predictions_per_s
 """
 
 import dataclasses
-import random
 
 import numpy as np
 
@@ -44,7 +43,9 @@ class MaskingConfig:
 
     def __post_init__(self):
         if self.max_seq_length < 5:
-            raise ValueError(f"max_seq_length={self.max_seq_length} is too short for [CLS] A [SEP] B [SEP]")
+            raise ValueError(
+                f"max_seq_length={self.max_seq_length} is too short for [CLS] A [SEP] B [SEP]"
+            )
         if not 0.0 < self.masked_lm_prob < 1.0:
             raise ValueError(f"masked_lm_prob must be in (0, 1), got {self.masked_lm_prob}")
         if self.max_predictions_per_seq < 1:
@@ -63,8 +64,18 @@ class InstanceMaker:
 
     def __init__(self, tokenizer, config):
         self.config = config
-        self.cls_id, self.sep_id, self.mask_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id
-        special = {tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id}
+        self.cls_id, self.sep_id, self.mask_id = (
+            tokenizer.cls_id,
+            tokenizer.sep_id,
+            tokenizer.mask_id,
+        )
+        special = {
+            tokenizer.pad_id,
+            tokenizer.unk_id,
+            tokenizer.cls_id,
+            tokenizer.sep_id,
+            tokenizer.mask_id,
+        }
         self.replacement_ids = [i for i in range(tokenizer.vocabulary_size) if i not in special]
         if not self.replacement_ids:
             raise ValueError("the vocabulary has only special tokens")
@@ -162,12 +173,19 @@ class InstanceMaker:
             if token in (self.cls_id, self.sep_id):
                 continue
             # A `##` piece joins the word just before it (not across [SEP]).
-            if cfg.whole_word_mask and candidates and self.is_continuation[token] and candidates[-1][-1] == index - 1:
+            if (
+                cfg.whole_word_mask
+                and candidates
+                and self.is_continuation[token]
+                and candidates[-1][-1] == index - 1
+            ):
                 candidates[-1].append(index)
             else:
                 candidates.append([index])
         num_tokens = sum(len(c) for c in candidates)
-        num_to_predict = min(cfg.max_predictions_per_seq, max(1, int(round(num_tokens * cfg.masked_lm_prob))))
+        num_to_predict = min(
+            cfg.max_predictions_per_seq, max(1, int(round(num_tokens * cfg.masked_lm_prob)))
+        )
         rng.shuffle(candidates)
         output = list(tokens)
         chosen = []
@@ -182,7 +200,9 @@ class InstanceMaker:
                 elif rng.random() < 0.5:
                     replacement = tokens[index]
                 else:
-                    replacement = self.replacement_ids[rng.randint(0, len(self.replacement_ids) - 1)]
+                    replacement = self.replacement_ids[
+                        rng.randint(0, len(self.replacement_ids) - 1)
+                    ]
                 output[index] = replacement
                 chosen.append(index)
         chosen.sort()

@@ -10,7 +10,6 @@ y = mask_ids, mask_weights, next_sentence_labels.
 import os
 import random
 
-import numpy as np
 import tensorflow as tf
 
 from kbert.data.pretraining import instances_to_arrays
@@ -44,7 +43,9 @@ def _example(arrays, row):
     def ints(values):
         return tf.train.Feature(int64_list=tf.train.Int64List(value=values.tolist()))
 
-    feature = {name: ints(arrays[name][row]) for name in FEATURE_NAMES if name != "masked_lm_weights"}
+    feature = {
+        name: ints(arrays[name][row]) for name in FEATURE_NAMES if name != "masked_lm_weights"
+    }
     feature["masked_lm_weights"] = tf.train.Feature(
         float_list=tf.train.FloatList(value=arrays["masked_lm_weights"][row].tolist())
     )
@@ -71,7 +72,9 @@ def to_model_batch(features):
     y = {
         "mask_ids": tf.cast(features["masked_lm_ids"], tf.int32),
         "mask_weights": tf.cast(features["masked_lm_weights"], tf.float32),
-        "next_sentence_labels": tf.cast(tf.reshape(features["next_sentence_labels"], [-1]), tf.int32),
+        "next_sentence_labels": tf.cast(
+            tf.reshape(features["next_sentence_labels"], [-1]), tf.int32
+        ),
     }
     return x, y
 
@@ -111,12 +114,16 @@ def pretraining_dataset(
     Example:
     >>> ds = pretraining_dataset("data/*.tfrecord", batch_size=32, seed=0)  # doctest: +SKIP
     """
-    patterns = [file_pattern] if isinstance(file_pattern, (str, os.PathLike)) else list(file_pattern)
+    patterns = (
+        [file_pattern] if isinstance(file_pattern, (str, os.PathLike)) else list(file_pattern)
+    )
     files = sorted({f for p in patterns for f in tf.io.gfile.glob(os.fspath(p))})
     if not files:
         raise ValueError(f"no pre-training files match {patterns}")
     if len(files) < num_shards:
-        raise ValueError(f"{len(files)} file(s) cannot be sharded over {num_shards} workers; write more shards")
+        raise ValueError(
+            f"{len(files)} file(s) cannot be sharded over {num_shards} workers; write more shards"
+        )
     ds = tf.data.Dataset.from_tensor_slices(files)
     ds = ds.shard(num_shards, shard_index)
     if shuffle:

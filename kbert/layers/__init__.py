@@ -1,11 +1,11 @@
 """Backend-agnostic BERT building blocks (keras + keras.ops only)."""
 
 from kbert.layers import fused
-from kbert.layers.dense import Dense
-from kbert.layers.dropout import Dropout
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention
+from kbert.layers.dense import Dense
+from kbert.layers.dropout import Dropout
 from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding
 from kbert.layers.encoder import TransformerEncoderBlock
 from kbert.layers.heads import MaskedLMHead, NextSentenceHead, Pooler

@@ -42,9 +42,7 @@ ALIASES = {
 def canonical_activation(name):
     """Returns kbert's name for an activation name, or raises a clear error."""
     if not isinstance(name, str):
-        raise ValueError(
-            f"activation must be a name (one of {sorted(_ACTIVATIONS)}), got {name!r}"
-        )
+        raise ValueError(f"activation must be a name (one of {sorted(_ACTIVATIONS)}), got {name!r}")
     key = ALIASES.get(name.lower(), name.lower())
     if key not in _ACTIVATIONS:
         raise ValueError(

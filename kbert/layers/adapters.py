@@ -50,7 +50,9 @@ class BottleneckAdapter(keras.layers.Layer):
 
     def build(self, inputs_shape):
         self.down.build(inputs_shape)
-        self.up = Dense(inputs_shape[-1], kernel_initializer="zeros", dtype=self.dtype_policy, name="up")
+        self.up = Dense(
+            inputs_shape[-1], kernel_initializer="zeros", dtype=self.dtype_policy, name="up"
+        )
         self.up.build(tuple(inputs_shape[:-1]) + (self.adapter_size,))
         self.built = True
 
@@ -62,7 +64,11 @@ class BottleneckAdapter(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(adapter_size=self.adapter_size, activation=self.activation, initializer_range=self.initializer_range)
+        config.update(
+            adapter_size=self.adapter_size,
+            activation=self.activation,
+            initializer_range=self.initializer_range,
+        )
         return config
 
 
@@ -82,4 +88,6 @@ def train_only_adapters(backbone):
         for v in layer.weights
     }
     for v in backbone.weights:
-        v.trainable = id(v) in layer_norms or any(f"/{name}/" in v.path for name in ADAPTER_LAYER_NAMES)
+        v.trainable = id(v) in layer_norms or any(
+            f"/{name}/" in v.path for name in ADAPTER_LAYER_NAMES
+        )

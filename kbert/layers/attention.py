@@ -51,9 +51,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     ):
         super().__init__(**kwargs)
         if hidden_dim % num_heads:
-            raise ValueError(
-                f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}"
-            )
+            raise ValueError(f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         self.hidden_dim = hidden_dim
         self.head_dim = hidden_dim // num_heads
@@ -89,7 +87,9 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         scale = 1.0 / math.sqrt(self.head_dim)
         if self.attention_path(training) == "fused":
             dropout = self.attention_dropout if training else 0.0
-            context = fused_attention(query, key, value, padding_mask, scale, dropout)  # (B, T, N, D)
+            context = fused_attention(
+                query, key, value, padding_mask, scale, dropout
+            )  # (B, T, N, D)
         else:
             keep = ops.cast(padding_mask, "bool")
             # A row with no real token would softmax over nothing (NaN); let

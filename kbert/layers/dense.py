@@ -32,7 +32,9 @@ class Dense(keras.layers.Dense):
             return super().call(inputs, training=training)
         kernel = ops.cast(self.kernel, self.compute_dtype)
         bias = None if self.bias is None else ops.cast(self.bias, self.compute_dtype)
-        x = fused_dense(ops.cast(inputs, self.compute_dtype), kernel, bias, cache=self._packed_weight)
+        x = fused_dense(
+            ops.cast(inputs, self.compute_dtype), kernel, bias, cache=self._packed_weight
+        )
         if self.activation is not None:
             x = self.activation(x)
         return x

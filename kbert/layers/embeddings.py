@@ -43,7 +43,11 @@ class TokenEmbedding(keras.layers.Embedding):
         if not reverse:
             return super().call(inputs)
         table = ops.cast(self.embeddings, self.compute_dtype)
-        pad = -self.input_dim % self.REVERSE_PAD if self.REVERSE_PAD > 1 and keras.backend.backend() == "jax" else 0
+        pad = (
+            -self.input_dim % self.REVERSE_PAD
+            if self.REVERSE_PAD > 1 and keras.backend.backend() == "jax"
+            else 0
+        )
         if pad:
             # A product whose output rows are not a multiple of 8 elements
             # (V = 30522) leaves every operand of the forward and both
@@ -117,9 +121,7 @@ class BertEmbeddings(keras.layers.Layer):
         self.layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
-        self.dropout_layer = Dropout(
-            dropout, dtype=self.dtype_policy, name="dropout"
-        )
+        self.dropout_layer = Dropout(dropout, dtype=self.dtype_policy, name="dropout")
 
     def build(self, token_ids_shape, segment_ids_shape=None):
         self.token_embedding.build(token_ids_shape)
@@ -144,7 +146,9 @@ class BertEmbeddings(keras.layers.Layer):
             (length, self.hidden_dim),
         )  # (T, H)
         segments = ops.cast(self.segment_embedding.embeddings, self.compute_dtype)
-        x = fused_embedding_sum(self.token_embedding(token_ids), positions, segments, segment_ids)  # (B, T, H)
+        x = fused_embedding_sum(
+            self.token_embedding(token_ids), positions, segments, segment_ids
+        )  # (B, T, H)
         x = self.layer_norm(x)
         return self.dropout_layer(x, training=training)
 

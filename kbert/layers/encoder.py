@@ -6,12 +6,12 @@ Shapes: B batch, T tokens, H hidden, I intermediate (feed-forward) width.
 import keras
 
 from kbert.layers.activations import canonical_activation, get_activation
-from kbert.layers.dense import Dense
-from kbert.layers.dropout import Dropout
 from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
-from kbert.layers.layer_norm import LayerNorm
+from kbert.layers.dense import Dense
+from kbert.layers.dropout import Dropout
 from kbert.layers.fused import sublayer_call
+from kbert.layers.layer_norm import LayerNorm
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -70,7 +70,9 @@ class TransformerEncoderBlock(keras.layers.Layer):
             dtype=policy,
             name="self_attention",
         )
-        self.attention_dropout_layer = Dropout(dropout, dtype=policy, name="attention_output_dropout")
+        self.attention_dropout_layer = Dropout(
+            dropout, dtype=policy, name="attention_output_dropout"
+        )
         self.attention_layer_norm = LayerNorm(
             epsilon=layer_norm_epsilon, dtype=policy, name="attention_layer_norm"
         )
@@ -91,10 +93,18 @@ class TransformerEncoderBlock(keras.layers.Layer):
         self.attention_adapter = self.output_adapter = None
         if adapter_size:
             self.attention_adapter = BottleneckAdapter(
-                adapter_size, self.activation, initializer_range, dtype=policy, name="attention_adapter"
+                adapter_size,
+                self.activation,
+                initializer_range,
+                dtype=policy,
+                name="attention_adapter",
             )
             self.output_adapter = BottleneckAdapter(
-                adapter_size, self.activation, initializer_range, dtype=policy, name="output_adapter"
+                adapter_size,
+                self.activation,
+                initializer_range,
+                dtype=policy,
+                name="output_adapter",
             )
 
     def build(self, inputs_shape, padding_mask_shape=None):

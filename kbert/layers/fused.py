@@ -165,7 +165,9 @@ def fused_dense(inputs, kernel, bias=None, cache=None):
         kernel = ops.convert_to_tensor(kernel)
         bias = None if bias is None else ops.convert_to_tensor(bias)
         if cache is not None and kernel.dtype == torch.float32 and _onednn_inference(inputs):
-            return torch.ops.mkldnn._linear_pointwise(inputs, cache.get(kernel), bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                inputs, cache.get(kernel), bias, "none", [], ""
+            )
         # linear(x, W, b) = x @ W^T + b; W^T of a transposed view is a
         # stride change, not a copy.
         return torch.nn.functional.linear(inputs, kernel.t(), bias)
@@ -205,7 +207,9 @@ def dropout_bits(shape, seed):
     index = jnp.zeros(shape, jnp.uint32)
     stride = 1
     for axis in reversed(range(len(shape))):  # row-major flat index (mod 2^32)
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(
+            stride % 2**32
+        )
         stride *= shape[axis]
     return _mix32(_mix32(index ^ k0) + k1)
 
@@ -243,7 +247,9 @@ def fused_dropout(inputs, rate, seed_generator):
 
 def _jax_gpu():
     distribution = keras.distribution.distribution()
-    if keras.backend.backend() != "jax" or not (distribution is None or isinstance(distribution, keras.distribution.DataParallel)):
+    if keras.backend.backend() != "jax" or not (
+        distribution is None or isinstance(distribution, keras.distribution.DataParallel)
+    ):
         # Under model parallelism XLA may shard the sliced Q/K/V apart
         # (heads, features), which jax's cuDNN partitioner rejects; the XLA
         # path shards freely. Data parallelism pins them to batch shards.
@@ -258,7 +264,9 @@ def fused_attention_path(dtype="bfloat16"):
     cudnn = _jax_gpu() and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
     if cudnn:
         return "jax-cudnn-flash"
-    return "torch-sdpa" if keras.backend.backend() == "torch" else f"keras-{keras.backend.backend()}"
+    return (
+        "torch-sdpa" if keras.backend.backend() == "torch" else f"keras-{keras.backend.backend()}"
+    )
 
 
 def fused_attention(query, key, value, padding_mask, scale, dropout=0.0):
@@ -282,9 +290,12 @@ def fused_attention(query, key, value, padding_mask, scale, dropout=0.0):
 def _torch_sdpa(query, key, value, keep, scale, dropout=0.0):
     import torch
 
-    q, k, v = (ops.convert_to_tensor(t).transpose(1, 2) for t in (query, key, value))  # (B, N, T, D)
-    context = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale,
-                                                                dropout_p=float(dropout))
+    q, k, v = (
+        ops.convert_to_tensor(t).transpose(1, 2) for t in (query, key, value)
+    )  # (B, N, T, D)
+    context = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep, scale=scale, dropout_p=float(dropout)
+    )
     return context.transpose(1, 2)  # (B, T, N, D)
 
 
@@ -364,7 +375,9 @@ def fused_embedding_sum(tokens, positions, segments, segment_ids):
         # described above, just as the broadcast's autodiff did.
         ones = jnp.ones((batch,), grad.dtype)
         d_positions = jnp.einsum("b,bth->th", ones, grad, preferred_element_type=jnp.float32)
-        one_hot = jax.nn.one_hot(segment_ids, num_segments, dtype=grad.dtype)  # out-of-range ids: zero rows
+        one_hot = jax.nn.one_hot(
+            segment_ids, num_segments, dtype=grad.dtype
+        )  # out-of-range ids: zero rows
         d_segments = jnp.einsum("bts,bth->sh", one_hot, grad, preferred_element_type=jnp.float32)
         return d_positions.astype(positions.dtype), d_segments.astype(segments.dtype)
 
@@ -393,7 +406,9 @@ def fused_layer_norm(x, gamma, beta, epsilon):
     import jax
     import jax.numpy as jnp
 
-    x, gamma, beta = (ops.convert_to_tensor(v) for v in (x, gamma, beta))  # Keras variables -> arrays
+    x, gamma, beta = (
+        ops.convert_to_tensor(v) for v in (x, gamma, beta)
+    )  # Keras variables -> arrays
     out_dtype = x.dtype
     reduce_axes = tuple(range(x.ndim - 1))
 
@@ -422,7 +437,8 @@ def fused_layer_norm(x, gamma, beta, epsilon):
         dx = rstd * (g_scaled - a - x_hat * b)
         zero = np.float32(0)
         d_gamma, d_beta = jax.lax.reduce(  # one pass over (g, x) for both
-            (g * x_hat, g), (zero, zero), lambda u, v: (u[0] + v[0], u[1] + v[1]), reduce_axes)
+            (g * x_hat, g), (zero, zero), lambda u, v: (u[0] + v[0], u[1] + v[1]), reduce_axes
+        )
         return dx.astype(x.dtype), d_gamma.astype(gamma.dtype), d_beta.astype(beta.dtype)
 
     layer_norm.defvjp(forward, backward)
@@ -438,8 +454,11 @@ def sublayer_call(layer, *args, **kwargs):
     from keras.src.backend import AutocastScope, get_autocast_scope
 
     x = args[0]
-    if (not isinstance(x, torch.Tensor) or x.device.type == "meta"
-            or keras.backend.standardize_dtype(x.dtype) != layer.input_dtype):
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.device.type == "meta"
+        or keras.backend.standardize_dtype(x.dtype) != layer.input_dtype
+    ):
         return layer(*args, **kwargs)
     # The scope Layer.__call__ would enter (keras/src/layers/layer.py, step 7).
     scope = get_autocast_scope()

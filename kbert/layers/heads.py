@@ -101,8 +101,7 @@ class MaskedLMHead(keras.layers.Layer):
         self.initializer_range = initializer_range
         self.token_embedding = token_embedding
         if token_embedding is not None and (
-            token_embedding.input_dim != vocabulary_size
-            or token_embedding.output_dim != hidden_dim
+            token_embedding.input_dim != vocabulary_size or token_embedding.output_dim != hidden_dim
         ):
             raise ValueError(
                 "token_embedding shape "

@@ -21,7 +21,11 @@ class LayerNorm(keras.layers.LayerNormalization):
 
     def call(self, inputs):
         last = len(inputs.shape) - 1
-        if self.rms_scaling or not (self.center and self.scale) or list(self.axis) not in ([-1], [last]):
+        if (
+            self.rms_scaling
+            or not (self.center and self.scale)
+            or list(self.axis) not in ([-1], [last])
+        ):
             return super().call(inputs)
         outputs = fused_layer_norm(inputs, self.gamma, self.beta, self.epsilon)
         return ops.cast(outputs, self.compute_dtype)

@@ -84,9 +84,7 @@ class BertBackbone(PresetMixin, keras.Model):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         if hidden_dim % num_heads:
-            raise ValueError(
-                f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}"
-            )
+            raise ValueError(f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}")
         for arg, value in [("dropout", dropout), ("attention_dropout", attention_dropout)]:
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
@@ -124,8 +122,7 @@ class BertBackbone(PresetMixin, keras.Model):
 
         # === Functional model ===
         inputs = {
-            name: keras.Input(shape=(None,), dtype="int32", name=name)
-            for name in INPUT_NAMES
+            name: keras.Input(shape=(None,), dtype="int32", name=name) for name in INPUT_NAMES
         }
         x = embeddings(inputs["token_ids"], inputs["segment_ids"])
         hidden_states = [x]

@@ -35,7 +35,9 @@ class BertClassifier(Task):
 
     bucket_raw_text = True  # one output per example: predict raw text in length buckets
 
-    def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs):
+    def __init__(
+        self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs
+    ):
         if not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         inputs = self.backbone_inputs(backbone)
@@ -47,14 +49,43 @@ class BertClassifier(Task):
         self.set_backbone_training(freeze_backbone)
 
     def task_config(self):
-        return {"num_classes": self.num_classes, "dropout": self.dropout, "freeze_backbone": self.freeze_backbone}
+        return {
+            "num_classes": self.num_classes,
+            "dropout": self.dropout,
+            "freeze_backbone": self.freeze_backbone,
+        }
 
-    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None, loss=None, metrics=None, **kwargs):
+    def compile(
+        self,
+        optimizer="adamw",
+        learning_rate=5e-5,
+        num_train_steps=None,
+        num_warmup_steps=None,
+        loss=None,
+        metrics=None,
+        **kwargs,
+    ):
         if loss is None:
-            loss = "mse" if self.num_classes == 1 else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            loss = (
+                "mse"
+                if self.num_classes == 1
+                else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+            )
         if metrics is None:
-            metrics = [keras.metrics.MeanAbsoluteError()] if self.num_classes == 1 else [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
-        super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, loss=loss, metrics=metrics, **kwargs)
+            metrics = (
+                [keras.metrics.MeanAbsoluteError()]
+                if self.num_classes == 1
+                else [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+            )
+        super().compile(
+            optimizer,
+            learning_rate,
+            num_train_steps,
+            num_warmup_steps,
+            loss=loss,
+            metrics=metrics,
+            **kwargs,
+        )
 
     def check_targets(self, y):
         if _is_tensor_like(y) is False:
@@ -66,7 +97,9 @@ class BertClassifier(Task):
                 bad = values[~np.isfinite(values)][0]
                 raise ValueError(f"regression targets contain {bad}; remove or fix those examples")
             return values
-        return checks.check_class_ids(values, self.num_classes, hint="; for scores use num_classes=1")
+        return checks.check_class_ids(
+            values, self.num_classes, hint="; for scores use num_classes=1"
+        )
 
     def predict_classes(self, x, **kwargs):
         """Class ids (or scores for regression) for raw texts or inputs."""

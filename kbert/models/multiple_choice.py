@@ -61,17 +61,24 @@ class BertMultipleChoice(Task):
 
     bucket_raw_text = True  # one output per example: predict raw text in length buckets
 
-    def __init__(self, backbone, num_choices, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs):
+    def __init__(
+        self, backbone, num_choices, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs
+    ):
         if not isinstance(num_choices, int) or num_choices < 2:
             raise ValueError(f"num_choices must be an int ≥ 2, got {num_choices!r}")
         inputs = {
             name: keras.Input(shape=(num_choices, None), dtype="int32", name=name)
             for name in ("token_ids", "segment_ids", "padding_mask")
         }
-        folded = {name: ChoiceReshape(num_choices, True, name=f"fold_{name}")(t) for name, t in inputs.items()}
+        folded = {
+            name: ChoiceReshape(num_choices, True, name=f"fold_{name}")(t)
+            for name, t in inputs.items()
+        }
         pooled = backbone(folded)["pooled_output"]
         scores = self.logits_head(pooled, backbone, 1, dropout)  # (B * N, 1)
-        logits = ChoiceReshape(num_choices, False, dtype="float32", name="choice_logits")(scores[:, 0])
+        logits = ChoiceReshape(num_choices, False, dtype="float32", name="choice_logits")(
+            scores[:, 0]
+        )
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
         self._set_backbone(backbone, preprocessor)
         self.num_choices = num_choices
@@ -79,17 +86,44 @@ class BertMultipleChoice(Task):
         self.set_backbone_training(freeze_backbone)
 
     def task_config(self):
-        return {"num_choices": self.num_choices, "dropout": self.dropout, "freeze_backbone": self.freeze_backbone}
+        return {
+            "num_choices": self.num_choices,
+            "dropout": self.dropout,
+            "freeze_backbone": self.freeze_backbone,
+        }
 
-    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
-                loss=None, metrics=None, **kwargs):
+    def compile(
+        self,
+        optimizer="adamw",
+        learning_rate=5e-5,
+        num_train_steps=None,
+        num_warmup_steps=None,
+        loss=None,
+        metrics=None,
+        **kwargs,
+    ):
         loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        metrics = metrics if metrics is not None else [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
-        super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, loss=loss, metrics=metrics,
-                        **kwargs)
+        metrics = (
+            metrics
+            if metrics is not None
+            else [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+        )
+        super().compile(
+            optimizer,
+            learning_rate,
+            num_train_steps,
+            num_warmup_steps,
+            loss=loss,
+            metrics=metrics,
+            **kwargs,
+        )
 
     def preprocess_samples(self, x):
-        if self.preprocessor is None or not (isinstance(x, tuple) and len(x) == 2) or isinstance(x, dict):
+        if (
+            self.preprocessor is None
+            or not (isinstance(x, tuple) and len(x) == 2)
+            or isinstance(x, dict)
+        ):
             return x
         contexts, choices = x
         contexts = [contexts] if isinstance(contexts, str) else list(contexts)
@@ -98,11 +132,15 @@ class BertMultipleChoice(Task):
             raise ValueError(f"got {len(contexts)} contexts but {len(choices)} choice lists")
         for row, options in enumerate(choices):
             if len(options) != self.num_choices:
-                raise ValueError(f"example {row} has {len(options)} choices; the model takes {self.num_choices}")
+                raise ValueError(
+                    f"example {row} has {len(options)} choices; the model takes {self.num_choices}"
+                )
         flat_contexts = [c for c in contexts for _ in range(self.num_choices)]
         flat_choices = [o for options in choices for o in options]
         packed = self.preprocessor(flat_contexts, flat_choices)
         return {k: v.reshape(len(contexts), self.num_choices, -1) for k, v in packed.items()}
 
     def check_targets(self, y):
-        return checks.check_class_ids(y, self.num_choices, kind="multiple-choice", meaning="choice indices")
+        return checks.check_class_ids(
+            y, self.num_choices, kind="multiple-choice", meaning="choice indices"
+        )

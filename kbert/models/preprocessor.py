@@ -38,7 +38,9 @@ class BertPreprocessor(keras.layers.Layer):
             # itself: a string there would make loading read a file named by
             # the artifact.
             vocabulary = tokenizer.get("vocabulary")
-            if not isinstance(vocabulary, (list, tuple)) or not all(isinstance(t, str) for t in vocabulary):
+            if not isinstance(vocabulary, (list, tuple)) or not all(
+                isinstance(t, str) for t in vocabulary
+            ):
                 raise ValueError(
                     "preprocessor config must embed its vocabulary as a list of token strings, got "
                     f"{type(vocabulary).__name__} {str(vocabulary)[:80]!r}; refusing to read a vocabulary "
@@ -66,7 +68,9 @@ class BertPreprocessor(keras.layers.Layer):
             if isinstance(value, bytes):
                 value = value.decode("utf-8", errors="replace")
             if not isinstance(value, str):
-                raise ValueError(f"{what} must be strings, got {type(value).__name__}: {value!r}"[:200])
+                raise ValueError(
+                    f"{what} must be strings, got {type(value).__name__}: {value!r}"[:200]
+                )
             out.append(value)
         return out
 
@@ -103,7 +107,9 @@ class BertPreprocessor(keras.layers.Layer):
     def save_to_directory(self, directory):
         files = self.tokenizer.save(directory)
         with open(os.path.join(directory, PREPROCESSOR_FILE), "w") as f:
-            json.dump({"sequence_length": self.sequence_length, "truncate": self.truncate}, f, indent=2)
+            json.dump(
+                {"sequence_length": self.sequence_length, "truncate": self.truncate}, f, indent=2
+            )
         return files + [PREPROCESSOR_FILE]
 
     @classmethod
@@ -112,7 +118,11 @@ class BertPreprocessor(keras.layers.Layer):
         if not os.path.isfile(os.path.join(directory, "vocab.txt")):
             from kbert.convert import keras_hub
 
-            tokenizer = keras_hub.load_tokenizer(directory) if keras_hub.is_keras_hub_dir(directory) else None
+            tokenizer = (
+                keras_hub.load_tokenizer(directory)
+                if keras_hub.is_keras_hub_dir(directory)
+                else None
+            )
             return cls(tokenizer, default_sequence_length) if tokenizer is not None else None
         sequence_length = default_sequence_length
         path = os.path.join(directory, PREPROCESSOR_FILE)

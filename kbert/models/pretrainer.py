@@ -102,7 +102,8 @@ class _PreTrainingTask(Task):
         mlm = local_total / (global_weight + 1e-5)
         global_mlm = replica_sum(mlm)[0] if replicas > 1 else mlm
         correct = ops.cast(
-            ops.equal(ops.argmax(y_pred["mlm_logits"], axis=-1), ops.cast(y["mask_ids"], "int32")), "float32"
+            ops.equal(ops.argmax(y_pred["mlm_logits"], axis=-1), ops.cast(y["mask_ids"], "int32")),
+            "float32",
         )
         # Metric weights are passed as device tensors: Keras turns a missing
         # weight into a Python count, whose host-to-device copy synchronises
@@ -115,7 +116,9 @@ class _PreTrainingTask(Task):
             nsp_total = replica_sum(nsp)[0] if replicas > 1 else nsp
             self.nsp_loss_tracker.update_state(nsp_total, sample_weight=ops.ones_like(nsp_total))
             labels = y["next_sentence_labels"]
-            self.nsp_accuracy.update_state(labels, y_pred["nsp_logits"], sample_weight=ops.ones_like(labels, "float32"))
+            self.nsp_accuracy.update_state(
+                labels, y_pred["nsp_logits"], sample_weight=ops.ones_like(labels, "float32")
+            )
             total = total + nsp
         for extra in self.losses:
             total = total + ops.cast(extra, "float32")
@@ -125,7 +128,14 @@ class _PreTrainingTask(Task):
         names = ("mask_ids", "mask_weights")
         return names + ("next_sentence_labels",) if self.with_nsp else names
 
-    def compile(self, optimizer="adamw", learning_rate=1e-4, num_train_steps=10_000, num_warmup_steps=100, **kwargs):
+    def compile(
+        self,
+        optimizer="adamw",
+        learning_rate=1e-4,
+        num_train_steps=10_000,
+        num_warmup_steps=100,
+        **kwargs,
+    ):
         """Pre-training defaults: AdamW 1e-4, 100 warm-up steps, linear decay
         over `num_train_steps`; see `Task.compile`."""
         super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, **kwargs)

@@ -55,14 +55,30 @@ class BertQuestionAnswerer(Task):
     >>> qa = BertQuestionAnswerer(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=32))
     """
 
-    def __init__(self, backbone, preprocessor=None, doc_stride=128, max_query_length=64, n_best_size=20,
-                 max_answer_length=30, null_score_threshold=None, freeze_backbone=False, **kwargs):
-        for arg, value in [("doc_stride", doc_stride), ("max_query_length", max_query_length),
-                           ("n_best_size", n_best_size), ("max_answer_length", max_answer_length)]:
+    def __init__(
+        self,
+        backbone,
+        preprocessor=None,
+        doc_stride=128,
+        max_query_length=64,
+        n_best_size=20,
+        max_answer_length=30,
+        null_score_threshold=None,
+        freeze_backbone=False,
+        **kwargs,
+    ):
+        for arg, value in [
+            ("doc_stride", doc_stride),
+            ("max_query_length", max_query_length),
+            ("n_best_size", n_best_size),
+            ("max_answer_length", max_answer_length),
+        ]:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         inputs = self.backbone_inputs(backbone)
-        logits = self.logits_head(backbone(inputs)["sequence_output"], backbone, 2, 0.0)  # (B, T, 2)
+        logits = self.logits_head(
+            backbone(inputs)["sequence_output"], backbone, 2, 0.0
+        )  # (B, T, 2)
         outputs = {
             "start_logits": keras.layers.Identity(name="start_logits")(logits[:, :, 0]),
             "end_logits": keras.layers.Identity(name="end_logits")(logits[:, :, 1]),
@@ -86,8 +102,16 @@ class BertQuestionAnswerer(Task):
             "freeze_backbone": self.freeze_backbone,
         }
 
-    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
-                loss=None, metrics=None, **kwargs):
+    def compile(
+        self,
+        optimizer="adamw",
+        learning_rate=5e-5,
+        num_train_steps=None,
+        num_warmup_steps=None,
+        loss=None,
+        metrics=None,
+        **kwargs,
+    ):
         loss = loss or {
             "start_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             "end_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -98,8 +122,15 @@ class BertQuestionAnswerer(Task):
                 "start_logits": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
                 "end_logits": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
             }
-        super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, loss=loss, metrics=metrics,
-                        **kwargs)
+        super().compile(
+            optimizer,
+            learning_rate,
+            num_train_steps,
+            num_warmup_steps,
+            loss=loss,
+            metrics=metrics,
+            **kwargs,
+        )
 
     # --- features ----------------------------------------------------------
 
@@ -113,7 +144,10 @@ class BertQuestionAnswerer(Task):
         """
         if self.preprocessor is None:
             raise ValueError("BertQuestionAnswerer needs a preprocessor to take raw text")
-        questions, contexts = BertPreprocessor._texts(questions, "questions"), BertPreprocessor._texts(contexts, "contexts")
+        questions, contexts = (
+            BertPreprocessor._texts(questions, "questions"),
+            BertPreprocessor._texts(contexts, "contexts"),
+        )
         if len(questions) != len(contexts):
             raise ValueError(f"got {len(questions)} questions but {len(contexts)} contexts")
         if answers is not None and len(answers) != len(questions):
@@ -131,21 +165,29 @@ class BertQuestionAnswerer(Task):
                     f"question; raise sequence_length or lower max_query_length"
                 )
             ids, starts, ends = tokenizer.tokenize_with_offsets(context)
-            span = self._answer_tokens(answers[index] if answers is not None else None, context, starts, ends, index)
+            span = self._answer_tokens(
+                answers[index] if answers is not None else None, context, starts, ends, index
+            )
             window_start = 0
             while True:
                 window = slice(window_start, min(window_start + room, len(ids)))
                 piece = ids[window]
                 offset = len(query) + 2
-                token_ids = [tokenizer.cls_id] + query + [tokenizer.sep_id] + list(piece) + [tokenizer.sep_id]
+                token_ids = (
+                    [tokenizer.cls_id]
+                    + query
+                    + [tokenizer.sep_id]
+                    + list(piece)
+                    + [tokenizer.sep_id]
+                )
                 n = len(token_ids)
                 rows["token_ids"].append(token_ids + [tokenizer.pad_id] * (length - n))
                 rows["segment_ids"].append([0] * offset + [1] * (n - offset) + [0] * (length - n))
                 rows["padding_mask"].append([1] * n + [0] * (length - n))
                 token_starts = np.full(length, -1, "int64")
                 token_ends = np.full(length, -1, "int64")
-                token_starts[offset: offset + len(piece)] = starts[window]
-                token_ends[offset: offset + len(piece)] = ends[window]
+                token_starts[offset : offset + len(piece)] = starts[window]
+                token_ends[offset : offset + len(piece)] = ends[window]
                 rows["token_starts"].append(token_starts)
                 rows["token_ends"].append(token_ends)
                 rows["context_mask"].append((token_starts >= 0).astype("int32"))
@@ -158,13 +200,22 @@ class BertQuestionAnswerer(Task):
                 if window.stop >= len(ids):
                     break
                 window_start += min(room, self.doc_stride)
-        x = {k: np.asarray(rows[k], "int32").reshape(-1, length) for k in ("token_ids", "segment_ids", "padding_mask")}
+        x = {
+            k: np.asarray(rows[k], "int32").reshape(-1, length)
+            for k in ("token_ids", "segment_ids", "padding_mask")
+        }
         y = None
         if answers is not None:
-            y = {"start_positions": np.asarray(rows["start"], "int32"), "end_positions": np.asarray(rows["end"], "int32")}
+            y = {
+                "start_positions": np.asarray(rows["start"], "int32"),
+                "end_positions": np.asarray(rows["end"], "int32"),
+            }
         return QAFeatures(
-            x, y, np.asarray(rows["example_index"], "int64"),
-            np.asarray(rows["token_starts"]).reshape(-1, length), np.asarray(rows["token_ends"]).reshape(-1, length),
+            x,
+            y,
+            np.asarray(rows["example_index"], "int64"),
+            np.asarray(rows["token_starts"]).reshape(-1, length),
+            np.asarray(rows["token_ends"]).reshape(-1, length),
             np.asarray(rows["context_mask"]).reshape(-1, length),
         )
 
@@ -179,12 +230,16 @@ class BertQuestionAnswerer(Task):
             text, char_start = answer
         if not text:
             return None
-        if not isinstance(char_start, (int, np.integer)) or char_start < 0 or char_start + len(text) > len(context):
+        if (
+            not isinstance(char_start, (int, np.integer))
+            or char_start < 0
+            or char_start + len(text) > len(context)
+        ):
             raise ValueError(f"answer {index} ({text!r} at {char_start}) is not inside its context")
-        if context[char_start: char_start + len(text)] != text:
+        if context[char_start : char_start + len(text)] != text:
             raise ValueError(
                 f"answer {index}: context[{char_start}:{char_start + len(text)}] is "
-                f"{context[char_start: char_start + len(text)]!r}, not the answer text {text!r}"
+                f"{context[char_start : char_start + len(text)]!r}, not the answer text {text!r}"
             )
         char_end = char_start + len(text)
         inside = np.nonzero((ends > char_start) & (starts < char_end))[0]
@@ -196,9 +251,15 @@ class BertQuestionAnswerer(Task):
 
     @staticmethod
     def _is_qa_text(x):
-        return isinstance(x, tuple) and len(x) == 2 and all(
-            isinstance(v, (list, tuple, np.ndarray)) and len(v) and isinstance(np.asarray(v).reshape(-1)[0], str)
-            for v in x
+        return (
+            isinstance(x, tuple)
+            and len(x) == 2
+            and all(
+                isinstance(v, (list, tuple, np.ndarray))
+                and len(v)
+                and isinstance(np.asarray(v).reshape(-1)[0], str)
+                for v in x
+            )
         )
 
     def _features_and_targets(self, x, y):
@@ -209,9 +270,13 @@ class BertQuestionAnswerer(Task):
             length = self.preprocessor.sequence_length if self.preprocessor is not None else None
             for key in y:
                 values = np.asarray(y[key])
-                if values.size and (values.min() < 0 or (length is not None and values.max() >= length)):
-                    raise ValueError(f"{key} holds {values.min() if values.min() < 0 else values.max()}, "
-                                     f"outside the {length} token positions")
+                if values.size and (
+                    values.min() < 0 or (length is not None and values.max() >= length)
+                ):
+                    raise ValueError(
+                        f"{key} holds {values.min() if values.min() < 0 else values.max()}, "
+                        f"outside the {length} token positions"
+                    )
             y = {"start_logits": y["start_positions"], "end_logits": y["end_positions"]}
         return x, y
 
@@ -251,13 +316,17 @@ class BertQuestionAnswerer(Task):
                         continue
                     score = starts[s] + ends[e]
                     if score > best[index][0]:
-                        text = contexts[index][features.token_starts[row, s]: features.token_ends[row, e]]
+                        text = contexts[index][
+                            features.token_starts[row, s] : features.token_ends[row, e]
+                        ]
                         best[index] = (score, text)
         answers, scores = [], []
         for index, (score, text) in enumerate(best):
-            if self.null_score_threshold is not None and null[index] - score > self.null_score_threshold:
+            if (
+                self.null_score_threshold is not None
+                and null[index] - score > self.null_score_threshold
+            ):
                 text, score = "", null[index]
             answers.append(text)
             scores.append(float(score) if np.isfinite(score) else float("-inf"))
         return (answers, scores) if return_scores else answers
-

@@ -13,7 +13,13 @@ logger = logging.getLogger("kbert")
 TASK_CONFIG_FILE = "task.json"
 TASK_WEIGHTS_FILE = "task.safetensors"
 # from_preset keyword arguments that go to the backbone
-BACKBONE_OVERRIDES = ("dtype", "dropout", "attention_dropout", "output_hidden_states", "adapter_size")
+BACKBONE_OVERRIDES = (
+    "dtype",
+    "dropout",
+    "attention_dropout",
+    "output_hidden_states",
+    "adapter_size",
+)
 
 
 class Task(PresetMixin, keras.Model):
@@ -44,7 +50,9 @@ class Task(PresetMixin, keras.Model):
         from kbert.layers.adapters import train_only_adapters
 
         if freeze_backbone not in (False, True, "adapters"):
-            raise ValueError(f"freeze_backbone must be False, True or 'adapters', got {freeze_backbone!r}")
+            raise ValueError(
+                f"freeze_backbone must be False, True or 'adapters', got {freeze_backbone!r}"
+            )
         if freeze_backbone == "adapters":
             train_only_adapters(self.backbone)
         else:
@@ -64,7 +72,9 @@ class Task(PresetMixin, keras.Model):
         x = keras.layers.Dropout(dropout, dtype=policy, name="classifier_dropout")(features)
         logits = keras.layers.Dense(
             num_classes,
-            kernel_initializer=keras.initializers.TruncatedNormal(stddev=backbone.initializer_range),
+            kernel_initializer=keras.initializers.TruncatedNormal(
+                stddev=backbone.initializer_range
+            ),
             dtype=policy,
             name="logits",
         )(x)
@@ -103,7 +113,11 @@ class Task(PresetMixin, keras.Model):
         write_json(
             directory,
             TASK_CONFIG_FILE,
-            {"format": "kbert-task", "class_name": type(self).__name__, "config": self.task_config()},
+            {
+                "format": "kbert-task",
+                "class_name": type(self).__name__,
+                "config": self.task_config(),
+            },
         )
         backbone_paths = tuple(v.path for v in self.backbone.weights)
         save_weights_file(directory, TASK_WEIGHTS_FILE, self, exclude=backbone_paths, exact=True)
@@ -127,11 +141,15 @@ class Task(PresetMixin, keras.Model):
             saved = read_json(directory, TASK_CONFIG_FILE)
             if saved.get("class_name") == cls.__name__:
                 task_config = saved.get("config", {})
-                head_weights = load_weights_file(directory, TASK_WEIGHTS_FILE) if load_weights else None
+                head_weights = (
+                    load_weights_file(directory, TASK_WEIGHTS_FILE) if load_weights else None
+                )
             else:
                 logger.warning(
                     "%s holds a %s head; building a fresh %s head on its backbone",
-                    directory, saved.get("class_name"), cls.__name__,
+                    directory,
+                    saved.get("class_name"),
+                    cls.__name__,
                 )
         if "preprocessor" not in kwargs:
             kwargs["preprocessor"] = cls.default_preprocessor(directory, backbone)
@@ -149,7 +167,8 @@ class Task(PresetMixin, keras.Model):
             if not huggingface.load_task_head(model, directory):
                 logger.warning(
                     "%s: the %s head is initialised fresh (the preset has no matching head)",
-                    directory, cls.__name__,
+                    directory,
+                    cls.__name__,
                 )
         return model
 
@@ -183,8 +202,12 @@ class Task(PresetMixin, keras.Model):
             return x
 
         if with_targets:
-            return data.map(lambda x, *rest: (convert_x(x),) + rest, num_parallel_calls=tf.data.AUTOTUNE)
-        return data.map(lambda *x: convert_x(x if len(x) > 1 else x[0]), num_parallel_calls=tf.data.AUTOTUNE)
+            return data.map(
+                lambda x, *rest: (convert_x(x),) + rest, num_parallel_calls=tf.data.AUTOTUNE
+            )
+        return data.map(
+            lambda *x: convert_x(x if len(x) > 1 else x[0]), num_parallel_calls=tf.data.AUTOTUNE
+        )
 
     def _convert(self, x, y, with_targets=True):
         if _is_tf_dataset(x):
@@ -205,7 +228,11 @@ class Task(PresetMixin, keras.Model):
         if self._sync_free_torch_step():
             # Batches made on the host, copied without blocking by our step,
             # which a GPU replays as a CUDA graph where it can.
-            from kbert.training.torch_step import GraphedTrainStep, cuda_graph_supported, host_batches
+            from kbert.training.torch_step import (
+                GraphedTrainStep,
+                cuda_graph_supported,
+                host_batches,
+            )
 
             batches = host_batches()
             graph = getattr(self, "cuda_graph", "auto")
@@ -241,9 +268,17 @@ class Task(PresetMixin, keras.Model):
         """
         raw = self.preprocessor is not None and not isinstance(x, dict) and not _is_tf_dataset(x)
         x, _ = self._convert(x, None, with_targets=False)
-        if raw and self.bucket_raw_text and isinstance(x, dict) and steps is None and callbacks is None:
+        if (
+            raw
+            and self.bucket_raw_text
+            and isinstance(x, dict)
+            and steps is None
+            and callbacks is None
+        ):
             return self._predict_in_buckets(x, batch_size or 32)
-        return super().predict(x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+        return super().predict(
+            x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        )
 
     def _predict_in_buckets(self, x, batch_size):
         import numpy as np
@@ -256,13 +291,22 @@ class Task(PresetMixin, keras.Model):
             # longest sequence are padding in every row.
             longest = int(np.max(np.sum(batch["padding_mask"], axis=-1), initial=1))
             length = min(full, -(-longest // self.BUCKET) * self.BUCKET)
-            outputs.append(self.predict_on_batch({name: value[..., :length] for name, value in batch.items()}))
+            outputs.append(
+                self.predict_on_batch({name: value[..., :length] for name, value in batch.items()})
+            )
         if not outputs:
             return super().predict(x, batch_size=batch_size, verbose=0)
         return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
-    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
-                cuda_graph="auto", **kwargs):
+    def compile(
+        self,
+        optimizer="adamw",
+        learning_rate=5e-5,
+        num_train_steps=None,
+        num_warmup_steps=None,
+        cuda_graph="auto",
+        **kwargs,
+    ):
         """Fine-tuning defaults: AdamW (weight decay 0.01, none on LayerNorm
         and biases, global-norm clipping 1.0) at `learning_rate`, with 10%
         linear warm-up and linear decay when `num_train_steps` is given.
@@ -283,12 +327,18 @@ class Task(PresetMixin, keras.Model):
 
         if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
             steps = num_train_steps or 10**9  # no decay when the length is unknown
-            warmup = num_warmup_steps if num_warmup_steps is not None else (steps // 10 if num_train_steps else 0)
+            warmup = (
+                num_warmup_steps
+                if num_warmup_steps is not None
+                else (steps // 10 if num_train_steps else 0)
+            )
             optimizer = create_optimizer(learning_rate, steps, warmup, kind=optimizer)
         if not isinstance(optimizer, str):
             exclude_from_weight_decay(optimizer, self)
         policy = self.backbone.get_layer("embeddings").dtype_policy
-        if policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if policy.name == "mixed_float16" and not isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        ):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         super().compile(optimizer=optimizer, **kwargs)
 
@@ -362,9 +412,15 @@ def _multi_worker_logs(model, logs):
         return logs
     import tensorflow as tf
 
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or not strategy.extended._in_multi_worker_mode():
+    if (
+        not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        or not strategy.extended._in_multi_worker_mode()
+    ):
         return logs
-    return {k: tf.reshape(v, (1,)) if tf.is_tensor(v) and v.shape.rank == 0 else v for k, v in logs.items()}
+    return {
+        k: tf.reshape(v, (1,)) if tf.is_tensor(v) and v.shape.rank == 0 else v
+        for k, v in logs.items()
+    }
 
 
 def _is_text(x):
@@ -373,7 +429,9 @@ def _is_text(x):
     if isinstance(x, str):
         return True
     if isinstance(x, np.ndarray):
-        return x.dtype.kind in ("U", "S", "O") and (x.size == 0 or isinstance(x.reshape(-1)[0], (str, bytes)))
+        return x.dtype.kind in ("U", "S", "O") and (
+            x.size == 0 or isinstance(x.reshape(-1)[0], (str, bytes))
+        )
     if isinstance(x, (list, tuple)):
         # any string: the preprocessor then names whatever is not one
         return any(isinstance(v, (str, bytes)) for v in x)

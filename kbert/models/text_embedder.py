@@ -36,7 +36,9 @@ class TokenPooling(keras.layers.Layer):
         return pooled
 
     def compute_output_spec(self, sequence_output, padding_mask):
-        return keras.KerasTensor((sequence_output.shape[0], sequence_output.shape[-1]), dtype="float32")
+        return keras.KerasTensor(
+            (sequence_output.shape[0], sequence_output.shape[-1]), dtype="float32"
+        )
 
     def get_config(self):
         config = super().get_config()
@@ -54,7 +56,9 @@ class LayerMix(keras.layers.Layer):
     """
 
     def build(self, hidden_states_shape):
-        self.layer_weights = self.add_weight(shape=(hidden_states_shape[1],), initializer="zeros", name="layer_weights")
+        self.layer_weights = self.add_weight(
+            shape=(hidden_states_shape[1],), initializer="zeros", name="layer_weights"
+        )
         self.gamma = self.add_weight(shape=(), initializer="ones", name="gamma")
         self.built = True
 
@@ -87,7 +91,9 @@ class BertTextEmbedder(Task):
 
     bucket_raw_text = True  # one output per example: predict raw text in length buckets
 
-    def __init__(self, backbone, pooling="mean", normalize=True, preprocessor=None, layer_mix=False, **kwargs):
+    def __init__(
+        self, backbone, pooling="mean", normalize=True, preprocessor=None, layer_mix=False, **kwargs
+    ):
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         if layer_mix and (pooling == "pooled" or not backbone.output_hidden_states):
@@ -98,13 +104,17 @@ class BertTextEmbedder(Task):
         inputs = self.backbone_inputs(backbone)
         features = backbone(inputs)
         if layer_mix:
-            features = dict(features, sequence_output=LayerMix(name="layer_mix")(features["hidden_states"]))
+            features = dict(
+                features, sequence_output=LayerMix(name="layer_mix")(features["hidden_states"])
+            )
         if pooling == "pooled":
             embedding = TokenPooling("cls", normalize, name="pooling")(
                 ops.expand_dims(features["pooled_output"], 1), inputs["padding_mask"][:, :1]
             )
         else:
-            embedding = TokenPooling(pooling, normalize, name="pooling")(features["sequence_output"], inputs["padding_mask"])
+            embedding = TokenPooling(pooling, normalize, name="pooling")(
+                features["sequence_output"], inputs["padding_mask"]
+            )
         super().__init__(inputs=inputs, outputs=embedding, **kwargs)
         self._set_backbone(backbone, preprocessor)
         self.pooling = pooling

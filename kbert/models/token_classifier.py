@@ -30,11 +30,15 @@ class BertTokenClassifier(Task):
     >>> model = BertTokenClassifier(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_classes=5)
     """
 
-    def __init__(self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs):
+    def __init__(
+        self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs
+    ):
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an int ≥ 2, got {num_classes!r}")
         inputs = self.backbone_inputs(backbone)
-        logits = self.logits_head(backbone(inputs)["sequence_output"], backbone, num_classes, dropout)
+        logits = self.logits_head(
+            backbone(inputs)["sequence_output"], backbone, num_classes, dropout
+        )
         super().__init__(inputs=inputs, outputs=logits, **kwargs)
         self._set_backbone(backbone, preprocessor)
         self.num_classes = num_classes
@@ -42,18 +46,40 @@ class BertTokenClassifier(Task):
         self.set_backbone_training(freeze_backbone)
 
     def task_config(self):
-        return {"num_classes": self.num_classes, "dropout": self.dropout, "freeze_backbone": self.freeze_backbone}
+        return {
+            "num_classes": self.num_classes,
+            "dropout": self.dropout,
+            "freeze_backbone": self.freeze_backbone,
+        }
 
-    def compile(self, optimizer="adamw", learning_rate=5e-5, num_train_steps=None, num_warmup_steps=None,
-                loss=None, metrics=None, weighted_metrics=None, **kwargs):
+    def compile(
+        self,
+        optimizer="adamw",
+        learning_rate=5e-5,
+        num_train_steps=None,
+        num_warmup_steps=None,
+        loss=None,
+        metrics=None,
+        weighted_metrics=None,
+        **kwargs,
+    ):
         # Loss and metrics are weighted: only first pieces of words count, and
         # the loss is their mean (as transformers' ignore_index=-100), not a
         # mean over every token slot.
-        loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
+        loss = loss or keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"
+        )
         if weighted_metrics is None:
             weighted_metrics = metrics or [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
-        super().compile(optimizer, learning_rate, num_train_steps, num_warmup_steps, loss=loss,
-                        weighted_metrics=weighted_metrics, **kwargs)
+        super().compile(
+            optimizer,
+            learning_rate,
+            num_train_steps,
+            num_warmup_steps,
+            loss=loss,
+            weighted_metrics=weighted_metrics,
+            **kwargs,
+        )
 
     def encode_words(self, sentences, labels=None):
         """Word lists (and word labels) -> (x, y, sample_weight, first_piece_positions)."""
@@ -69,12 +95,18 @@ class BertTokenClassifier(Task):
         firsts = []
         for row, words in enumerate(sentences):
             if isinstance(words, str) or not all(isinstance(w, str) for w in words):
-                raise ValueError(f"sentence {row} must be a list of word strings, got {words!r}"[:200])
+                raise ValueError(
+                    f"sentence {row} must be a list of word strings, got {words!r}"[:200]
+                )
             if labels is not None and len(labels[row]) != len(words):
-                raise ValueError(f"sentence {row} has {len(words)} words but {len(labels[row])} labels")
+                raise ValueError(
+                    f"sentence {row} has {len(words)} words but {len(labels[row])} labels"
+                )
             ids, positions = [tokenizer.cls_id], []
             for word in words:
-                pieces = tokenizer.tokenize(word) or [tokenizer.unk_id]  # a word of deleted characters
+                pieces = tokenizer.tokenize(word) or [
+                    tokenizer.unk_id
+                ]  # a word of deleted characters
                 if len(ids) + len(pieces) > length - 1:
                     break  # truncated: later words get no prediction
                 positions.append(len(ids))
@@ -89,15 +121,22 @@ class BertTokenClassifier(Task):
             firsts.append(positions)
         if labels is not None:
             checks.check_class_ids(
-                np.concatenate([np.asarray(l).reshape(-1) for l in labels]) if batch else np.zeros(0, "int64"),
-                self.num_classes, kind="token",
+                np.concatenate([np.asarray(l).reshape(-1) for l in labels])
+                if batch
+                else np.zeros(0, "int64"),
+                self.num_classes,
+                kind="token",
             )
         x = {"token_ids": token_ids, "segment_ids": np.zeros_like(token_ids), "padding_mask": mask}
         return x, y, weights, firsts
 
     @staticmethod
     def _is_word_lists(x):
-        return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(s, (list, tuple)) for s in x)
+        return (
+            isinstance(x, (list, tuple))
+            and len(x) > 0
+            and all(isinstance(s, (list, tuple)) for s in x)
+        )
 
     def fit(self, x=None, y=None, *args, **kwargs):
         if self._is_word_lists(x):

@@ -17,8 +17,8 @@ import os
 
 import keras
 
-from kbert.presets.weights import assign_weights, weights_dict
 from kbert.presets.registry import PRESETS, download_preset
+from kbert.presets.weights import assign_weights, weights_dict
 
 FORMAT = "kbert-preset"
 FORMAT_VERSION = 1
@@ -47,8 +47,15 @@ def resolve_preset(preset):
 
 def preset_file(directory, name):
     """Path of file `name` in `directory`, refusing anything that leaves it."""
-    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
-        raise PresetError(f"preset names an unsafe file {name!r}: only plain file names are allowed")
+    if (
+        not isinstance(name, str)
+        or not name
+        or os.path.basename(name) != name
+        or name in (".", "..")
+    ):
+        raise PresetError(
+            f"preset names an unsafe file {name!r}: only plain file names are allowed"
+        )
     path = os.path.join(directory, name)
     real_dir = os.path.realpath(directory)
     if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != real_dir:

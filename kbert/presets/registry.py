@@ -23,12 +23,25 @@ def _hf(repo, description):
 
 
 PRESETS = {
-    "bert_base_en_uncased": _hf("google-bert/bert-base-uncased", "BERT-base, uncased English, MLM+NSP heads."),
-    "bert_base_en_cased": _hf("google-bert/bert-base-cased", "BERT-base, cased English, MLM+NSP heads."),
-    "bert_large_en_uncased": _hf("google-bert/bert-large-uncased", "BERT-large, uncased English, MLM+NSP heads."),
-    "bert_large_en_cased": _hf("google-bert/bert-large-cased", "BERT-large, cased English, MLM+NSP heads."),
-    "bert_base_multi_cased": _hf("google-bert/bert-base-multilingual-cased", "BERT-base, 104 languages, cased."),
-    "all_minilm_l6_v2": _hf("sentence-transformers/all-MiniLM-L6-v2", "6-layer MiniLM sentence encoder (BERT architecture)."),
+    "bert_base_en_uncased": _hf(
+        "google-bert/bert-base-uncased", "BERT-base, uncased English, MLM+NSP heads."
+    ),
+    "bert_base_en_cased": _hf(
+        "google-bert/bert-base-cased", "BERT-base, cased English, MLM+NSP heads."
+    ),
+    "bert_large_en_uncased": _hf(
+        "google-bert/bert-large-uncased", "BERT-large, uncased English, MLM+NSP heads."
+    ),
+    "bert_large_en_cased": _hf(
+        "google-bert/bert-large-cased", "BERT-large, cased English, MLM+NSP heads."
+    ),
+    "bert_base_multi_cased": _hf(
+        "google-bert/bert-base-multilingual-cased", "BERT-base, 104 languages, cased."
+    ),
+    "all_minilm_l6_v2": _hf(
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "6-layer MiniLM sentence encoder (BERT architecture).",
+    ),
 }
 
 OPTIONAL_FILES = {"tokenizer_config.json"}
@@ -40,9 +53,7 @@ def list_presets():
 
 
 def cache_dir():
-    return os.environ.get("KBERT_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "kbert"
-    )
+    return os.environ.get("KBERT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kbert")
 
 
 def download_preset(name, timeout=30):
@@ -62,9 +73,10 @@ def download_preset(name, timeout=30):
         for filename in spec["files"]:
             url = spec["url"] + filename
             try:
-                with urllib.request.urlopen(url, timeout=timeout) as response, open(
-                    os.path.join(staging, filename), "wb"
-                ) as f:
+                with (
+                    urllib.request.urlopen(url, timeout=timeout) as response,
+                    open(os.path.join(staging, filename), "wb") as f,
+                ):
                     shutil.copyfileobj(response, f)
             except urllib.error.HTTPError as e:
                 if e.code == 404 and filename in OPTIONAL_FILES:

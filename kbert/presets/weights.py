@@ -27,7 +27,8 @@ def assign_weights(layer, weights, source="weights", allow_missing=(), paths=Non
     if paths is not None:
         variables = {p: variables[p] for p in paths}
     missing = [
-        p for p in variables
+        p
+        for p in variables
         if p not in weights and not any(p.startswith(a) or f"/{a}" in p for a in allow_missing)
     ]
     unexpected = [p for p in weights if p not in variables]
@@ -44,9 +45,7 @@ def assign_weights(layer, weights, source="weights", allow_missing=(), paths=Non
     if mismatched:
         problems.append(f"shape mismatch {len(mismatched)}: {mismatched[:8]}")
     if problems:
-        raise ValueError(
-            f"{source} do not match the model {layer.name!r}; " + "; ".join(problems)
-        )
+        raise ValueError(f"{source} do not match the model {layer.name!r}; " + "; ".join(problems))
     for path, variable in variables.items():
         if path in weights:
             value = np.asarray(weights[path])

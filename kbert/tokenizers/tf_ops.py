@@ -122,7 +122,9 @@ def truncate_pair_lengths(len_a, len_b, max_tokens):
     keep = len_a + len_b <= m
     b_short = len_b <= m // 2
     a_short = len_a <= (m + 1) // 2
-    new_a = tf.where(keep, len_a, tf.where(b_short, m - len_b, tf.where(a_short, len_a, (m + 1) // 2)))
+    new_a = tf.where(
+        keep, len_a, tf.where(b_short, m - len_b, tf.where(a_short, len_a, (m + 1) // 2))
+    )
     new_b = tf.where(keep, len_b, tf.where(b_short, len_b, tf.where(a_short, m - len_a, m // 2)))
     return new_a, new_b
 
@@ -151,7 +153,13 @@ def pack(first, second, sequence_length, cls_id, sep_id, pad_id):
         first, second = _keep_first(first, len_a), _keep_first(second, len_b)
         ids = tf.concat([cls, first, sep, second, sep], axis=1)
         segments = tf.concat(
-            [tf.zeros_like(cls), tf.zeros_like(first), tf.zeros_like(sep), tf.ones_like(second), tf.ones_like(sep)],
+            [
+                tf.zeros_like(cls),
+                tf.zeros_like(first),
+                tf.zeros_like(sep),
+                tf.ones_like(second),
+                tf.ones_like(sep),
+            ],
             axis=1,
         )
     shape = [batch, sequence_length]

@@ -56,9 +56,13 @@ def train_wordpiece_vocabulary(
     from kbert.tokenizers.wordpiece import BertTokenizer
 
     if vocabulary_size <= len(special_tokens):
-        raise ValueError(f"vocabulary_size={vocabulary_size} leaves no room beyond the special tokens")
+        raise ValueError(
+            f"vocabulary_size={vocabulary_size} leaves no room beyond the special tokens"
+        )
     splitter = BertTokenizer(list(special_tokens), lowercase=lowercase)
-    tokenizer = Tokenizer(models.WordPiece(unk_token=special_tokens[1], continuing_subword_prefix="##"))
+    tokenizer = Tokenizer(
+        models.WordPiece(unk_token=special_tokens[1], continuing_subword_prefix="##")
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocabulary_size,

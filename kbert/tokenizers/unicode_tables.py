@@ -48,7 +48,13 @@ def tables():
             whitespace.append(cp)
         elif cp == 0 or cp == 0xFFFD or category.startswith("C"):
             delete.append(cp)
-        if (33 <= cp <= 47) or (58 <= cp <= 64) or (91 <= cp <= 96) or (123 <= cp <= 126) or category.startswith("P"):
+        if (
+            (33 <= cp <= 47)
+            or (58 <= cp <= 64)
+            or (91 <= cp <= 96)
+            or (123 <= cp <= 126)
+            or category.startswith("P")
+        ):
             punctuation.append(cp)
         if category == "Mn":
             mn.append(cp)
@@ -74,7 +80,9 @@ def char_class(name, flavor="python", negate=False):
     """A `[...]` pattern for table `name`, in Python-`re` or RE2 syntax."""
     parts = []
     for start, end in tables()[name]:
-        parts.append(_char(start, flavor) if start == end else f"{_char(start, flavor)}-{_char(end, flavor)}")
+        parts.append(
+            _char(start, flavor) if start == end else f"{_char(start, flavor)}-{_char(end, flavor)}"
+        )
     return "[" + ("^" if negate else "") + "".join(parts) + "]"
 
 

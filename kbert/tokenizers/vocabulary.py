@@ -28,7 +28,9 @@ def load_vocabulary(vocabulary):
     seen = {}
     for index, token in enumerate(tokens):
         if token in seen:
-            raise ValueError(f"vocabulary token {token!r} appears twice (ids {seen[token]} and {index})")
+            raise ValueError(
+                f"vocabulary token {token!r} appears twice (ids {seen[token]} and {index})"
+            )
         seen[token] = index
     return tokens
 

@@ -20,7 +20,6 @@ import numpy as np
 
 from kbert.tokenizers import unicode_tables as ut
 from kbert.tokenizers.vocabulary import (
-    SPECIAL_TOKENS,
     check_special_tokens,
     load_vocabulary,
     save_vocabulary,
@@ -203,7 +202,9 @@ class BertTokenizer:
         if new:
             if len(cache) + len(new) > _CACHE_SIZE:
                 cache.clear()
-            encodings = self._engine.encode_batch([[w] for w in new], is_pretokenized=True, add_special_tokens=False)
+            encodings = self._engine.encode_batch(
+                [[w] for w in new], is_pretokenized=True, add_special_tokens=False
+            )
             for w, e in zip(new, encodings):
                 cache[w] = e.ids
         return cache
@@ -231,7 +232,9 @@ class BertTokenizer:
         word_spans = [m.span() for m in self._patterns.words.finditer(normalized)]
         words = [normalized[s:e] for s, e in word_spans]
         if words:
-            encodings = self._engine.encode_batch([[w] for w in words], is_pretokenized=True, add_special_tokens=False)
+            encodings = self._engine.encode_batch(
+                [[w] for w in words], is_pretokenized=True, add_special_tokens=False
+            )
         else:
             encodings = []
         for (start, end), encoding in zip(word_spans, encodings):
@@ -294,7 +297,10 @@ class BertTokenizer:
             # Built eagerly, so that its tables outlive the first tf.data graph.
             with tf.init_scope():
                 self._tf = TFWordpiece(
-                    self.vocabulary, self.lowercase, self.special_tokens["unk"], self.max_input_chars_per_word
+                    self.vocabulary,
+                    self.lowercase,
+                    self.special_tokens["unk"],
+                    self.max_input_chars_per_word,
                 )
         return self._tf(strings)
 
@@ -324,7 +330,9 @@ class BertTokenizer:
         """
         specials = 3 if second is not None else 2
         if sequence_length < specials:
-            raise ValueError(f"sequence_length={sequence_length} cannot hold the {specials} special tokens")
+            raise ValueError(
+                f"sequence_length={sequence_length} cannot hold the {specials} special tokens"
+            )
         batch = len(first)
         if second is not None and len(second) != batch:
             raise ValueError(f"got {batch} first segments but {len(second)} second segments")

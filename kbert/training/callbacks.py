@@ -31,8 +31,16 @@ def save_checkpoint(model, directory, step, keep=2, extra=None):
     """Writes `<directory>/ckpt-<step>/` atomically; keeps the newest `keep`."""
     os.makedirs(directory, exist_ok=True)
     model_vars, opt_vars = _variables(model)
-    arrays = {f"model_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(model_vars)}
-    arrays.update({f"optimizer_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(opt_vars)})
+    arrays = {
+        f"model_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v))
+        for i, v in enumerate(model_vars)
+    }
+    arrays.update(
+        {
+            f"optimizer_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v))
+            for i, v in enumerate(opt_vars)
+        }
+    )
     arrays.update(_backend_rng_state())
     for name, value in arrays.items():
         if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
@@ -52,7 +60,9 @@ def save_checkpoint(model, directory, step, keep=2, extra=None):
         json.dump(state, f, indent=1)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
-    checkpoints = sorted(d for d in os.listdir(directory) if d.startswith("ckpt-") and not d.endswith(".tmp"))
+    checkpoints = sorted(
+        d for d in os.listdir(directory) if d.startswith("ckpt-") and not d.endswith(".tmp")
+    )
     for old in checkpoints[:-keep]:
         shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
     return final

@@ -26,14 +26,23 @@ def distribution_scope(engine="none", devices=None, tpu=None):
     backend = keras.backend.backend()
     if engine not in ENGINES:
         raise ValueError(f"unknown distribution engine {engine!r}; use one of {ENGINES}")
-    needs = {"jax-data-parallel": "jax", "tf-mirrored": "tensorflow", "tf-multi-worker": "tensorflow", "tf-tpu": "tensorflow"}
+    needs = {
+        "jax-data-parallel": "jax",
+        "tf-mirrored": "tensorflow",
+        "tf-multi-worker": "tensorflow",
+        "tf-tpu": "tensorflow",
+    }
     if engine in needs and needs[engine] != backend:
         extra = " (the torch backend trains on one device only)" if backend == "torch" else ""
-        raise ValueError(f"engine {engine!r} needs KERAS_BACKEND={needs[engine]}, not {backend}{extra}")
+        raise ValueError(
+            f"engine {engine!r} needs KERAS_BACKEND={needs[engine]}, not {backend}{extra}"
+        )
     if engine == "none":
         return contextlib.nullcontext(), 1
     if engine == "jax-data-parallel":
-        if int(os.environ.get("KBERT_NUM_PROCESSES", "1")) > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        if int(os.environ.get("KBERT_NUM_PROCESSES", "1")) > 1 or os.environ.get(
+            "JAX_COORDINATOR_ADDRESS"
+        ):
             keras.distribution.initialize()
         found = devices or keras.distribution.list_devices()
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=found))
@@ -66,5 +75,7 @@ def replica_sum(value):
 
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            return context.all_reduce(tf.distribute.ReduceOp.SUM, value), context.num_replicas_in_sync
+            return context.all_reduce(
+                tf.distribute.ReduceOp.SUM, value
+            ), context.num_replicas_in_sync
     return value, 1

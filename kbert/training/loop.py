@@ -25,8 +25,10 @@ def latest_checkpoint(directory):
     if not directory or not os.path.isdir(directory):
         return None
     names = sorted(
-        d for d in os.listdir(directory)
-        if d.startswith("ckpt-") and not d.endswith(".tmp")
+        d
+        for d in os.listdir(directory)
+        if d.startswith("ckpt-")
+        and not d.endswith(".tmp")
         and os.path.isfile(os.path.join(directory, d, STATE_FILE))
     )
     return os.path.join(directory, names[-1]) if names else None
@@ -43,7 +45,9 @@ def restore_checkpoint(model, path):
     if model.optimizer is not None and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
     model_vars, opt_vars = _variables(model)
-    if len(model_vars) != len(state["model_variables"]) or len(opt_vars) != len(state["optimizer_variables"]):
+    if len(model_vars) != len(state["model_variables"]) or len(opt_vars) != len(
+        state["optimizer_variables"]
+    ):
         raise ValueError(
             f"checkpoint {path} was written by a different model or optimizer "
             f"({len(state['model_variables'])}/{len(state['optimizer_variables'])} variables, "
@@ -54,7 +58,9 @@ def restore_checkpoint(model, path):
             for i, variable in enumerate(variables):
                 value = arrays[f"{prefix}_{i:05d}"]
                 if tuple(value.shape) != tuple(variable.shape):
-                    raise ValueError(f"checkpoint {path}: {variable.path} has shape {value.shape}, expected {variable.shape}")
+                    raise ValueError(
+                        f"checkpoint {path}: {variable.path} has shape {value.shape}, expected {variable.shape}"
+                    )
                 variable.assign(value)
         model._kbert_pending_rng = {k: arrays[k] for k in arrays.files if k.startswith("rng_")}
     return int(state["step"])
@@ -103,10 +109,17 @@ def fit_resumable(
     with _stop_on_sigterm(saver):
         partial = (-start) % steps_per_checkpoint
         if partial:  # a SIGTERM checkpoint mid-interval: finish that interval first
-            history = model.fit(make_dataset(start), epochs=1, steps_per_epoch=partial,
-                                callbacks=[saver, *callbacks], verbose=verbose)
+            history = model.fit(
+                make_dataset(start),
+                epochs=1,
+                steps_per_epoch=partial,
+                callbacks=[saver, *callbacks],
+                verbose=verbose,
+            )
         if saver.failed_step is None and saver.stopped_at is None and saver.step < total_steps:
-            if partial:  # this fit's set-up must not move torch's generator (one fit would not have)
+            if (
+                partial
+            ):  # this fit's set-up must not move torch's generator (one fit would not have)
                 model._kbert_pending_rng = _backend_rng_state()
             history = model.fit(
                 make_dataset(saver.step),
@@ -123,8 +136,11 @@ def fit_resumable(
             "data, or use float32 / loss scaling)"
         )
     if saver.stopped_at is not None:
-        print(f"SIGTERM: saved a checkpoint at step {saver.stopped_at} in {checkpoint_dir}; "
-              "run the same command again to continue", flush=True)
+        print(
+            f"SIGTERM: saved a checkpoint at step {saver.stopped_at} in {checkpoint_dir}; "
+            "run the same command again to continue",
+            flush=True,
+        )
         raise SystemExit(128 + signal.SIGTERM)
     return history, start
 

@@ -80,7 +80,11 @@ def _clip_by_global_norm(grads, clip):
     here constants only meet tensors through arithmetic operators.
     """
     present = [g for g in grads if g is not None]
-    multi_tensor = keras.backend.backend() == "torch" and bool(present) and all(g.dtype == present[0].dtype for g in present)
+    multi_tensor = (
+        keras.backend.backend() == "torch"
+        and bool(present)
+        and all(g.dtype == present[0].dtype for g in present)
+    )
     if multi_tensor:
         # torch: one multi-tensor kernel for all the norms and one for the
         # scaling, where the per-gradient form launches ~4 kernels per

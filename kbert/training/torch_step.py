@@ -70,7 +70,6 @@ def to_device(data):
     """Every host array or tensor in `data` on Keras' current torch device
     (non-blocking copies from pinned memory to a GPU)."""
     import torch
-
     from keras.src.backend.torch.core import get_device
 
     device = torch.device(get_device())
@@ -96,7 +95,11 @@ def _is_constant(value):
     number = (bool, int, float)
     if isinstance(value, number):
         return True
-    return isinstance(value, (tuple, list)) and 0 < len(value) <= 8 and all(isinstance(v, number) for v in value)
+    return (
+        isinstance(value, (tuple, list))
+        and 0 < len(value) <= 8
+        and all(isinstance(v, number) for v in value)
+    )
 
 
 _CONVERTERS = {}
@@ -111,7 +114,6 @@ def constants_on_device():
     import sys
 
     import torch
-
     from keras.src.backend.torch import core
 
     original = core.convert_to_tensor
@@ -130,8 +132,11 @@ def constants_on_device():
     if _CONVERTERS.get("original") is not original:
         _CONVERTERS["original"] = original
         _CONVERTERS["modules"] = [
-            m for name, m in list(sys.modules.items())
-            if name.startswith("keras.src.backend.torch") and getattr(m, "convert_to_tensor", None) is original]
+            m
+            for name, m in list(sys.modules.items())
+            if name.startswith("keras.src.backend.torch")
+            and getattr(m, "convert_to_tensor", None) is original
+        ]
     modules = _CONVERTERS["modules"]
     for module in modules:
         module.convert_to_tensor = convert_to_tensor
@@ -160,8 +165,9 @@ def _train_step(model, data):
     first = next(i for i in keras.tree.flatten(x) if i is not None)
     # The loss tracker weights by batch size: a tensor made on the device,
     # where Keras passes a Python int (a synchronising copy).
-    model._loss_tracker.update_state(loss, sample_weight=torch.full((), first.shape[0], dtype=torch.float32,
-                                                                   device=loss.device))
+    model._loss_tracker.update_state(
+        loss, sample_weight=torch.full((), first.shape[0], dtype=torch.float32, device=loss.device)
+    )
     if model.optimizer is not None:
         loss = model.optimizer.scale_loss(loss)
     trainable_weights = model.trainable_weights  # a walk over every layer: once per step
@@ -236,7 +242,10 @@ def adam_update(optimizer, grads, variables, learning_rate):
         v_list = v_hat_list
     torch._foreach_add_(
         variables,
-        torch._foreach_div(torch._foreach_mul(m_list, alpha), torch._foreach_add(torch._foreach_sqrt(v_list), optimizer.epsilon)),
+        torch._foreach_div(
+            torch._foreach_mul(m_list, alpha),
+            torch._foreach_add(torch._foreach_sqrt(v_list), optimizer.epsilon),
+        ),
         alpha=-1,
     )
 
@@ -288,7 +297,9 @@ def host_batches(force=False):
 def _signature(data):
     """The structure, shapes and dtypes of a batch: a captured graph replays
     only batches with the same signature."""
-    return keras.tree.map_structure(lambda v: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else v, data)
+    return keras.tree.map_structure(
+        lambda v: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else v, data
+    )
 
 
 def _graph_safe_optimizer(optimizer):
@@ -333,8 +344,14 @@ def user_code_in_step(model):
     if getattr(model, "_compile_loss", None) is not None:
         compiled.append(model._compile_loss._user_loss)
     if getattr(model, "_compile_metrics", None) is not None:
-        compiled += [model._compile_metrics._user_metrics, model._compile_metrics._user_weighted_metrics]
-    methods = [getattr(type(model), name) for name in ("compute_loss", "train_step", "compute_metrics", "call")]
+        compiled += [
+            model._compile_metrics._user_metrics,
+            model._compile_metrics._user_weighted_metrics,
+        ]
+    methods = [
+        getattr(type(model), name)
+        for name in ("compute_loss", "train_step", "compute_metrics", "call")
+    ]
     return not _defined_by_keras_or_kbert(compiled + methods)
 
 
@@ -342,7 +359,6 @@ def cuda_graph_supported(model, force=False):
     """Whether `model.fit` can replay its training step as a CUDA graph: a
     GPU, kbert's AdamW, and (unless `force`) no user code in the step."""
     import torch
-
     from keras.src.backend.torch.core import get_device
 
     return (
@@ -452,7 +468,11 @@ class GraphedTrainStep:
 
     def stats(self):
         """Replayed and eager steps of this fit, and why capture failed (or None)."""
-        return {"replays": self.replays, "eager_steps": self.eager_steps, "capture_failed": self.failed}
+        return {
+            "replays": self.replays,
+            "eager_steps": self.eager_steps,
+            "capture_failed": self.failed,
+        }
 
 
 def _copy_into(static, value):

@@ -6,8 +6,8 @@ values (inside jit / tf.function / torch.compile) are not checked: those
 calls come from `fit`/`predict`, whose inputs are checked separately.
 """
 
-import numpy as np
 import keras
+import numpy as np
 
 
 def is_concrete(x):
@@ -62,5 +62,7 @@ def check_class_ids(values, count, kind="classification", meaning="class ids", h
     values = values.astype("int64")
     if values.size and (values.min() < 0 or values.max() >= count):
         bad = values.max() if values.max() >= count else values.min()
-        raise ValueError(f"label {bad} is outside [0, {count}): labels are {meaning} 0..{count - 1}")
+        raise ValueError(
+            f"label {bad} is outside [0, {count}): labels are {meaning} 0..{count - 1}"
+        )
     return values

@@ -56,7 +56,12 @@ def test_wrong_activation_is_measurably_different(tmp_path):
     assert kbert.BertBackbone.from_preset(directory).activation == "gelu"
     backbone = kbert.BertBackbone.from_preset(directory, activation="gelu_tanh")
     x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
-    diff = np.max(np.abs(harness.to_numpy(backbone(x))["sequence_output"] - _hf_forward(hf, x).last_hidden_state.numpy()))
+    diff = np.max(
+        np.abs(
+            harness.to_numpy(backbone(x))["sequence_output"]
+            - _hf_forward(hf, x).last_hidden_state.numpy()
+        )
+    )
     assert diff > 1e-5
 
 
@@ -66,9 +71,15 @@ def test_prefixed_checkpoint_and_missing_pooler(tmp_path):
     backbone = kbert.BertBackbone.from_preset(directory)
     x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
     with torch.no_grad():
-        ref = hf.bert(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(), attention_mask=torch.tensor(x["padding_mask"]).long())
+        ref = hf.bert(
+            input_ids=torch.tensor(x["token_ids"]).long(),
+            token_type_ids=torch.tensor(x["segment_ids"]).long(),
+            attention_mask=torch.tensor(x["padding_mask"]).long(),
+        )
     y = harness.to_numpy(backbone(x))["sequence_output"]
-    assert np.max(np.abs((y - ref.last_hidden_state.numpy()) * x["padding_mask"][..., None])) <= 1e-5
+    assert (
+        np.max(np.abs((y - ref.last_hidden_state.numpy()) * x["padding_mask"][..., None])) <= 1e-5
+    )
 
 
 def test_pickle_checkpoint_needs_opt_in(tmp_path):
@@ -130,11 +141,21 @@ def test_real_minilm_checkpoint_matches_transformers():
 def test_export_loads_in_transformers_and_round_trips(kind, tmp_path):
     from kbert.convert.huggingface import export_to_huggingface
 
-    backbone = kbert.BertBackbone(vocabulary_size=99, num_layers=2, num_heads=4, hidden_dim=32,
-                                  intermediate_dim=37, max_sequence_length=64, activation="gelu_tanh")
+    backbone = kbert.BertBackbone(
+        vocabulary_size=99,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=37,
+        max_sequence_length=64,
+        activation="gelu_tanh",
+    )
     x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
-    torch_x = dict(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
-                   attention_mask=torch.tensor(x["padding_mask"]).long())
+    torch_x = dict(
+        input_ids=torch.tensor(x["token_ids"]).long(),
+        token_type_ids=torch.tensor(x["segment_ids"]).long(),
+        attention_mask=torch.tensor(x["padding_mask"]).long(),
+    )
     mask = x["padding_mask"][..., None]
     if kind == "backbone":
         model = backbone
@@ -151,7 +172,9 @@ def test_export_loads_in_transformers_and_round_trips(kind, tmp_path):
         hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
         with torch.no_grad():
             ref = hf(**torch_x)
-        expected = np.take_along_axis(ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1)
+        expected = np.take_along_axis(
+            ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1
+        )
         y = harness.to_numpy(model(x))
         assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
         assert np.max(np.abs(y["nsp_logits"] - ref.seq_relationship_logits.numpy())) <= 1e-5
@@ -175,7 +198,9 @@ def test_cli_convert_both_ways(tmp_path):
     hf, directory = _hf_model(tmp_path, cls=transformers.BertForPreTraining)
     assert main(["convert", str(directory), str(tmp_path / "kb")]) == 0
     model = kbert.BertPreTrainer.from_preset(tmp_path / "kb")
-    assert main(["convert", str(tmp_path / "kb"), str(tmp_path / "back"), "--to", "huggingface"]) == 0
+    assert (
+        main(["convert", str(tmp_path / "kb"), str(tmp_path / "back"), "--to", "huggingface"]) == 0
+    )
     again = transformers.BertForPreTraining.from_pretrained(tmp_path / "back")
     for name, value in hf.state_dict().items():
         if name in again.state_dict() and "position_ids" not in name:
@@ -190,8 +215,12 @@ def test_training_parity_with_transformers_for_30_steps(tmp_path):
     forward pass."""
     import keras
 
-    hf, directory = _hf_model(tmp_path, cls=transformers.BertForPreTraining,
-                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    hf, directory = _hf_model(
+        tmp_path,
+        cls=transformers.BertForPreTraining,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     hf.train()
     model = kbert.BertPreTrainer.from_preset(directory, preprocessor=None)
     model.compile(optimizer=keras.optimizers.SGD(0.1))
@@ -205,22 +234,31 @@ def test_training_parity_with_transformers_for_30_steps(tmp_path):
         positions = np.zeros((4, 3), "int32")
         weights = np.zeros((4, 3), "float32")
         for row in range(4):
-            chosen = np.sort(rng.choice(np.arange(1, lengths[row]), size=min(3, lengths[row] - 1), replace=False))
+            chosen = np.sort(
+                rng.choice(np.arange(1, lengths[row]), size=min(3, lengths[row] - 1), replace=False)
+            )
             positions[row, : len(chosen)] = chosen
             weights[row, : len(chosen)] = 1.0
         weights[3, 1:] = 0.0  # padded prediction slots
         x["mask_positions"] = positions
-        y = {"mask_ids": rng.integers(5, 99, (4, 3)).astype("int32"), "mask_weights": weights,
-             "next_sentence_labels": rng.integers(0, 2, (4,)).astype("int32")}
+        y = {
+            "mask_ids": rng.integers(5, 99, (4, 3)).astype("int32"),
+            "mask_weights": weights,
+            "next_sentence_labels": rng.integers(0, 2, (4,)).astype("int32"),
+        }
         ours.append(model.train_on_batch(x, y, return_dict=True)["loss"])
         labels = np.full((4, 12), -100)
         for row in range(4):
             for slot in range(3):
                 if weights[row, slot]:
                     labels[row, positions[row, slot]] = y["mask_ids"][row, slot]
-        out = hf(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
-                 attention_mask=torch.tensor(x["padding_mask"]).long(), labels=torch.tensor(labels).long(),
-                 next_sentence_label=torch.tensor(y["next_sentence_labels"]).long())
+        out = hf(
+            input_ids=torch.tensor(x["token_ids"]).long(),
+            token_type_ids=torch.tensor(x["segment_ids"]).long(),
+            attention_mask=torch.tensor(x["padding_mask"]).long(),
+            labels=torch.tensor(labels).long(),
+            next_sentence_label=torch.tensor(y["next_sentence_labels"]).long(),
+        )
         hf_optimizer.zero_grad()
         out.loss.backward()
         hf_optimizer.step()

@@ -16,8 +16,14 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the cat sat on a mat d
 
 @pytest.fixture
 def keras_hub_preset(tmp_path):
-    backbone = keras_hub.models.BertBackbone(vocabulary_size=60, num_layers=2, num_heads=4, hidden_dim=32,
-                                             intermediate_dim=37, max_sequence_length=24)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=60,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=37,
+        max_sequence_length=24,
+    )
     directory = tmp_path / "keras_hub_bert"
     backbone.save_to_preset(str(directory))
     keras_hub.models.BertTokenizer(vocabulary=VOCAB, lowercase=True).save_to_preset(str(directory))
@@ -29,11 +35,24 @@ def test_keras_hub_backbone_matches_keras_hub(keras_hub_preset):
     ours = kbert.BertBackbone.from_preset(directory)
     assert ours.activation == "gelu_tanh" and ours.num_layers == 2
     x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=60)
-    reference = theirs({"token_ids": x["token_ids"], "segment_ids": x["segment_ids"], "padding_mask": x["padding_mask"]})
+    reference = theirs(
+        {
+            "token_ids": x["token_ids"],
+            "segment_ids": x["segment_ids"],
+            "padding_mask": x["padding_mask"],
+        }
+    )
     out = harness.to_numpy(ours(x))
     mask = x["padding_mask"][..., None]
-    assert np.max(np.abs((out["sequence_output"] - harness.to_numpy(reference["sequence_output"])) * mask)) <= 1e-5
-    assert np.max(np.abs(out["pooled_output"] - harness.to_numpy(reference["pooled_output"]))) <= 1e-5
+    assert (
+        np.max(
+            np.abs((out["sequence_output"] - harness.to_numpy(reference["sequence_output"])) * mask)
+        )
+        <= 1e-5
+    )
+    assert (
+        np.max(np.abs(out["pooled_output"] - harness.to_numpy(reference["pooled_output"]))) <= 1e-5
+    )
 
 
 def test_keras_hub_preset_gives_task_and_tokenizer(keras_hub_preset, tmp_path):
@@ -42,7 +61,9 @@ def test_keras_hub_preset_gives_task_and_tokenizer(keras_hub_preset, tmp_path):
     assert model.preprocessor is not None and model.preprocessor.tokenizer.lowercase
     tokenizer = keras_hub.models.BertTokenizer.from_preset(str(directory))
     text = "The cat sat on the mats"
-    assert model.preprocessor.tokenizer.tokenize(text) == [int(i) for i in np.asarray(tokenizer(text))]
+    assert model.preprocessor.tokenizer.tokenize(text) == [
+        int(i) for i in np.asarray(tokenizer(text))
+    ]
     assert model.predict(["the cat sat"], verbose=0).shape == (1, 2)
     model.backbone.save_to_preset(tmp_path / "converted")  # and on into a kbert preset
     again = kbert.BertBackbone.from_preset(tmp_path / "converted")

@@ -38,8 +38,14 @@ def hf_name_to_tf(name):
 
 @pytest.fixture
 def original_checkpoint(tmp_path):
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=37, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     hf = transformers.BertForPreTraining(config).eval()
     directory = tmp_path / "uncased_L-2_H-32_A-4"
@@ -58,12 +64,26 @@ def original_checkpoint(tmp_path):
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
             saver.save(session, str(directory / "bert_model.ckpt"))
-    (directory / "bert_config.json").write_text(json.dumps({
-        "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "intermediate_size": 37, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
-        "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 64, "type_vocab_size": 2,
-        "initializer_range": 0.02}))
-    (directory / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)]))
+    (directory / "bert_config.json").write_text(
+        json.dumps(
+            {
+                "vocab_size": 99,
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 37,
+                "hidden_act": "gelu",
+                "hidden_dropout_prob": 0.1,
+                "attention_probs_dropout_prob": 0.1,
+                "max_position_embeddings": 64,
+                "type_vocab_size": 2,
+                "initializer_range": 0.02,
+            }
+        )
+    )
+    (directory / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(94)])
+    )
     return hf, directory
 
 
@@ -74,9 +94,14 @@ def test_original_checkpoint_with_heads_matches(original_checkpoint):
     x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
     x["mask_positions"] = np.array([[1, 2], [3, 4], [0, 5]], "int32")
     with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
-                 attention_mask=torch.tensor(x["padding_mask"]).long())
+        ref = hf(
+            input_ids=torch.tensor(x["token_ids"]).long(),
+            token_type_ids=torch.tensor(x["segment_ids"]).long(),
+            attention_mask=torch.tensor(x["padding_mask"]).long(),
+        )
     y = harness.to_numpy(model(x))
-    expected = np.take_along_axis(ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1)
+    expected = np.take_along_axis(
+        ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1
+    )
     assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
     assert np.max(np.abs(y["nsp_logits"] - ref.seq_relationship_logits.numpy())) <= 1e-5

@@ -6,7 +6,13 @@ import random
 import numpy as np
 import pytest
 
-from kbert.data import CorpusReport, InstanceMaker, MaskingConfig, read_documents, tokenize_documents
+from kbert.data import (
+    CorpusReport,
+    InstanceMaker,
+    MaskingConfig,
+    read_documents,
+    tokenize_documents,
+)
 from kbert.tokenizers import BertTokenizer, train_wordpiece_vocabulary
 from tests.tokenizers.reference import data_dir
 
@@ -33,8 +39,15 @@ def created(tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("created")
     masking = MaskingConfig(max_seq_length=64, max_predictions_per_seq=10)
     create_pretraining_data(
-        [corpus("sherlock.txt"), corpus("the-verdict.txt")], tokenizer, str(out),
-        masking=masking, dupe_factor=5, seed=7, format="prose", workers=1, progress=False,
+        [corpus("sherlock.txt"), corpus("the-verdict.txt")],
+        tokenizer,
+        str(out),
+        masking=masking,
+        dupe_factor=5,
+        seed=7,
+        format="prose",
+        workers=1,
+        progress=False,
     )
     return out
 
@@ -76,13 +89,18 @@ def test_reads_back_with_the_original_feature_spec(created):
 def test_same_seed_is_byte_identical_and_other_seeds_differ(tokenizer, tmp_path):
     from kbert.data import create_pretraining_data
 
-    kwargs = dict(masking=MaskingConfig(max_seq_length=64, max_predictions_per_seq=10), dupe_factor=1, format="prose", progress=False)
+    kwargs = dict(
+        masking=MaskingConfig(max_seq_length=64, max_predictions_per_seq=10),
+        dupe_factor=1,
+        format="prose",
+        progress=False,
+    )
     lines = open(corpus("sherlock.txt"), encoding="utf-8-sig").read().splitlines()
     inputs = []
     for i in range(2):
         inputs.append(str(tmp_path / f"part{i}.txt"))
         with open(inputs[-1], "w", encoding="utf-8") as f:
-            f.write("\n".join(lines[500 + 1500 * i: 2000 + 1500 * i]))
+            f.write("\n".join(lines[500 + 1500 * i : 2000 + 1500 * i]))
     create_pretraining_data(inputs, tokenizer, str(tmp_path / "a"), seed=1, workers=2, **kwargs)
     create_pretraining_data(inputs, tokenizer, str(tmp_path / "b"), seed=1, workers=1, **kwargs)
     create_pretraining_data(inputs, tokenizer, str(tmp_path / "c"), seed=2, workers=1, **kwargs)
@@ -94,8 +112,13 @@ def test_same_seed_is_byte_identical_and_other_seeds_differ(tokenizer, tmp_path)
 
 
 def test_whole_word_masking_chooses_every_piece(tokenizer):
-    documents = tokenize_documents(read_documents([corpus("the-verdict.txt")], format="prose"), tokenizer)
-    maker = InstanceMaker(tokenizer, MaskingConfig(max_seq_length=64, max_predictions_per_seq=10, whole_word_mask=True))
+    documents = tokenize_documents(
+        read_documents([corpus("the-verdict.txt")], format="prose"), tokenizer
+    )
+    maker = InstanceMaker(
+        tokenizer,
+        MaskingConfig(max_seq_length=64, max_predictions_per_seq=10, whole_word_mask=True),
+    )
     instances = maker.from_documents(documents, random.Random(0), dupe_factor=2)
     continuation = maker.is_continuation
     special = {tokenizer.cls_id, tokenizer.sep_id}
@@ -108,7 +131,9 @@ def test_whole_word_masking_chooses_every_piece(tokenizer):
         for pos in chosen:
             # every piece of the word around a chosen position is chosen too
             start = pos
-            while start > 0 and continuation[original[start]] and original[start - 1] not in special:
+            while (
+                start > 0 and continuation[original[start]] and original[start - 1] not in special
+            ):
                 start -= 1
             end = pos + 1
             while end < len(original) and continuation[original[end]]:
@@ -130,31 +155,61 @@ def test_rows_without_predictions_are_padded_with_zero_weight(tokenizer):
 def test_pretraining_dataset_batches(created):
     from kbert.data import pretraining_dataset
 
-    ds = pretraining_dataset(str(created / "*.tfrecord"), batch_size=16, max_seq_length=64, max_predictions_per_seq=10, seed=3)
+    ds = pretraining_dataset(
+        str(created / "*.tfrecord"),
+        batch_size=16,
+        max_seq_length=64,
+        max_predictions_per_seq=10,
+        seed=3,
+    )
     x, y = next(iter(ds))
     assert set(x) == {"token_ids", "segment_ids", "padding_mask", "mask_positions"}
     assert set(y) == {"mask_ids", "mask_weights", "next_sentence_labels"}
     assert x["token_ids"].shape == (16, 64) and x["mask_positions"].shape == (16, 10)
     assert y["next_sentence_labels"].shape == (16,)
-    again = next(iter(pretraining_dataset(str(created / "*.tfrecord"), batch_size=16, max_seq_length=64, max_predictions_per_seq=10, seed=3)))
+    again = next(
+        iter(
+            pretraining_dataset(
+                str(created / "*.tfrecord"),
+                batch_size=16,
+                max_seq_length=64,
+                max_predictions_per_seq=10,
+                seed=3,
+            )
+        )
+    )
     np.testing.assert_array_equal(x["token_ids"].numpy(), again[0]["token_ids"].numpy())
     # per-worker sharding splits the files
-    shard0 = pretraining_dataset(str(created / "*.tfrecord"), 8, 64, 10, shuffle=False, num_shards=2, shard_index=0)
-    shard1 = pretraining_dataset(str(created / "*.tfrecord"), 8, 64, 10, shuffle=False, num_shards=2, shard_index=1)
-    first0, first1 = next(iter(shard0))[0]["token_ids"].numpy(), next(iter(shard1))[0]["token_ids"].numpy()
+    shard0 = pretraining_dataset(
+        str(created / "*.tfrecord"), 8, 64, 10, shuffle=False, num_shards=2, shard_index=0
+    )
+    shard1 = pretraining_dataset(
+        str(created / "*.tfrecord"), 8, 64, 10, shuffle=False, num_shards=2, shard_index=1
+    )
+    first0, first1 = (
+        next(iter(shard0))[0]["token_ids"].numpy(),
+        next(iter(shard1))[0]["token_ids"].numpy(),
+    )
     assert not np.array_equal(first0, first1)
 
 
 def test_dynamic_mode_gives_fresh_masks_each_epoch(tokenizer):
     from kbert.data import dynamic_pretraining_dataset
 
-    documents = tokenize_documents(read_documents([corpus("the-verdict.txt")], format="prose", min_document_sentences=5), tokenizer)
-    ds = dynamic_pretraining_dataset(documents, tokenizer, batch_size=4, masking=MaskingConfig(64, 10), seed=0)
+    documents = tokenize_documents(
+        read_documents([corpus("the-verdict.txt")], format="prose", min_document_sentences=5),
+        tokenizer,
+    )
+    ds = dynamic_pretraining_dataset(
+        documents, tokenizer, batch_size=4, masking=MaskingConfig(64, 10), seed=0
+    )
     epoch1 = [b[0]["mask_positions"].numpy() for b in ds]
     epoch2 = [b[0]["mask_positions"].numpy() for b in ds]
     assert len(epoch1) > 3
     assert not all(np.array_equal(a, b) for a, b in zip(epoch1, epoch2))
-    ds_again = dynamic_pretraining_dataset(documents, tokenizer, batch_size=4, masking=MaskingConfig(64, 10), seed=0)
+    ds_again = dynamic_pretraining_dataset(
+        documents, tokenizer, batch_size=4, masking=MaskingConfig(64, 10), seed=0
+    )
     np.testing.assert_array_equal(epoch1[0], next(iter(ds_again))[0]["mask_positions"].numpy())
 
 
@@ -185,15 +240,42 @@ def test_cli_creates_and_checks(tokenizer, tmp_path, capsys):
     from kbert.cli import main
 
     tokenizer.save(tmp_path / "tok")
-    rc = main([
-        "create-pretraining-data", "--input", corpus("sample_text.txt"), "--vocab", str(tmp_path / "tok" / "vocab.txt"),
-        "--output", str(tmp_path / "out"), "--max-seq-length", "64", "--max-predictions-per-seq", "10",
-        "--dupe-factor", "2", "--seed", "3",
-    ])
+    rc = main(
+        [
+            "create-pretraining-data",
+            "--input",
+            corpus("sample_text.txt"),
+            "--vocab",
+            str(tmp_path / "tok" / "vocab.txt"),
+            "--output",
+            str(tmp_path / "out"),
+            "--max-seq-length",
+            "64",
+            "--max-predictions-per-seq",
+            "10",
+            "--dupe-factor",
+            "2",
+            "--seed",
+            "3",
+        ]
+    )
     assert rc == 0
     assert main(["check-pretraining-data", str(tmp_path / "out")]) == 0
     assert '"segment_errors": 0' in capsys.readouterr().out
-    assert main(["create-pretraining-data", "--input", str(tmp_path / "nope.txt"), "--vocab", str(tmp_path / "tok" / "vocab.txt"), "--output", str(tmp_path / "o2")]) == 2
+    assert (
+        main(
+            [
+                "create-pretraining-data",
+                "--input",
+                str(tmp_path / "nope.txt"),
+                "--vocab",
+                str(tmp_path / "tok" / "vocab.txt"),
+                "--output",
+                str(tmp_path / "o2"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_numpy_export_trains_without_tf_data(created, tmp_path):
@@ -206,9 +288,19 @@ def test_numpy_export_trains_without_tf_data(created, tmp_path):
     x, y = data[0]
     original = load_arrays(str(created), 64, 10)
     np.testing.assert_array_equal(x["token_ids"], original["input_ids"][:8])
-    np.testing.assert_array_equal(y["next_sentence_labels"], original["next_sentence_labels"][:8, 0])
-    model = kbert.BertPreTrainer(kbert.BertBackbone(vocabulary_size=2000, num_layers=1, num_heads=2, hidden_dim=16,
-                                                    intermediate_dim=32, max_sequence_length=64))
+    np.testing.assert_array_equal(
+        y["next_sentence_labels"], original["next_sentence_labels"][:8, 0]
+    )
+    model = kbert.BertPreTrainer(
+        kbert.BertBackbone(
+            vocabulary_size=2000,
+            num_layers=1,
+            num_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            max_sequence_length=64,
+        )
+    )
     model.compile()
     history = model.fit(data, steps_per_epoch=2, epochs=1, verbose=0).history
     assert np.isfinite(history["loss"][0])
@@ -216,6 +308,9 @@ def test_numpy_export_trains_without_tf_data(created, tmp_path):
 
 def test_documents_from_an_iterable():
     report = CorpusReport()
-    docs = read_documents(["Cats and/or dogs live here. They sleep a lot.", ["One sentence.", "  ", "Two."], "", []], report=report)
+    docs = read_documents(
+        ["Cats and/or dogs live here. They sleep a lot.", ["One sentence.", "  ", "Two."], "", []],
+        report=report,
+    )
     assert docs == [["Cats and/or dogs live here.", "They sleep a lot."], ["One sentence.", "Two."]]
     assert report.documents == 2 and report.skipped_documents == 2 and report.sentences == 4

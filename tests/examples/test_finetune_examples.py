@@ -15,19 +15,33 @@ if not os.path.isdir(SHARED):
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_example", os.path.join(ROOT, "examples", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_example", os.path.join(ROOT, "examples", f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-SMALL = ["--max-train-examples", "16", "--max-eval-examples", "16", "--epochs", "1", "--batch-size", "8",
-         "--verbose", "0"]
+SMALL = [
+    "--max-train-examples",
+    "16",
+    "--max-eval-examples",
+    "16",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "8",
+    "--verbose",
+    "0",
+]
 
 
 @pytest.mark.parametrize("task", ["mrpc", "stsb"])
 def test_glue_example(task, tmp_path):
-    result = load("glue").main(["--task", task, "--sequence-length", "32", "--output-dir", str(tmp_path)] + SMALL)
+    result = load("glue").main(
+        ["--task", task, "--sequence-length", "32", "--output-dir", str(tmp_path)] + SMALL
+    )
     metric = "f1" if task == "mrpc" else "pearson"
     assert -1.0 <= result[metric] <= 1.0 and result["dev_examples"] == 16
     assert json.load(open(tmp_path / "results.json"))[metric] == result[metric]
@@ -44,8 +58,19 @@ def test_ner_example(tmp_path):
 
 
 def test_squad_example(tmp_path):
-    result = load("squad").main(["--sequence-length", "96", "--doc-stride", "48", "--max-query-length", "24",
-                                 "--output-dir", str(tmp_path)] + SMALL)
+    result = load("squad").main(
+        [
+            "--sequence-length",
+            "96",
+            "--doc-stride",
+            "48",
+            "--max-query-length",
+            "24",
+            "--output-dir",
+            str(tmp_path),
+        ]
+        + SMALL
+    )
     assert result["train_features"] > 16  # long paragraphs became several windows
     assert 0.0 <= result["exact_match"] <= result["f1"] <= 100.0
     predictions = json.load(open(tmp_path / "predictions.json"))

@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("pretrain_example", os.path.join(ROOT, "examples", "pretrain.py"))
+    spec = importlib.util.spec_from_file_location(
+        "pretrain_example", os.path.join(ROOT, "examples", "pretrain.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -23,16 +25,45 @@ def load_example():
 def tiny_run_args(tmp_path, steps):
     """A 400-line corpus and a one-layer model at sequence length 32, writing
     to tmp_path/run, checkpointing every 2 steps."""
-    with open(os.path.join(ROOT, "examples", "data", "wikitext-2-valid.tokens.txt"), encoding="utf-8") as f:
+    with open(
+        os.path.join(ROOT, "examples", "data", "wikitext-2-valid.tokens.txt"), encoding="utf-8"
+    ) as f:
         lines = f.readlines()[:400]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(lines), encoding="utf-8")
     return [
-        "--corpus", str(corpus), "--output-dir", str(tmp_path / "run"), "--vocab-size", "400",
-        "--num-layers", "1", "--hidden-dim", "16", "--num-heads", "2", "--intermediate-dim", "32",
-        "--max-seq-length", "32", "--max-predictions-per-seq", "5", "--batch-size", "4",
-        "--steps", str(steps), "--steps-per-checkpoint", "2", "--eval-batches", "2", "--dupe-factor", "1",
-        "--eval-fraction", "0.3", "--verbose", "0",
+        "--corpus",
+        str(corpus),
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--vocab-size",
+        "400",
+        "--num-layers",
+        "1",
+        "--hidden-dim",
+        "16",
+        "--num-heads",
+        "2",
+        "--intermediate-dim",
+        "32",
+        "--max-seq-length",
+        "32",
+        "--max-predictions-per-seq",
+        "5",
+        "--batch-size",
+        "4",
+        "--steps",
+        str(steps),
+        "--steps-per-checkpoint",
+        "2",
+        "--eval-batches",
+        "2",
+        "--dupe-factor",
+        "1",
+        "--eval-fraction",
+        "0.3",
+        "--verbose",
+        "0",
     ]
 
 
@@ -45,7 +76,10 @@ def test_pretrain_runs_resumes_and_saves(tmp_path):
     run = tmp_path / "run"
     assert (run / "pretrainer.keras").is_file() and (run / "preset" / "metadata.json").is_file()
     assert (run / "logs" / "phase1.csv").is_file()
-    assert sorted(os.listdir(run / "checkpoints" / "phase1")) == ["ckpt-000000002", "ckpt-000000004"]
+    assert sorted(os.listdir(run / "checkpoints" / "phase1")) == [
+        "ckpt-000000002",
+        "ckpt-000000004",
+    ]
     # The same command again resumes: nothing left to train, same results.
     again = example.main(args)
     assert again["mlm_accuracy"] == pytest.approx(results["mlm_accuracy"])
@@ -76,8 +110,13 @@ def test_pretrain_two_phases_resumes_in_phase_two(tmp_path):
     run = tmp_path / "run"
     assert sorted(os.listdir(run / "checkpoints" / "phase2")) == ["ckpt-000000002"]
     results = example.main(args + ["--phase2-steps", "4"])  # the longer command continues phase 2
-    assert sorted(os.listdir(run / "checkpoints" / "phase2")) == ["ckpt-000000002", "ckpt-000000004"]
+    assert sorted(os.listdir(run / "checkpoints" / "phase2")) == [
+        "ckpt-000000002",
+        "ckpt-000000004",
+    ]
     assert 0.0 <= results["mlm_accuracy"] <= 1.0
     model = keras.saving.load_model(str(run / "pretrainer.keras"))
     assert model.backbone.max_sequence_length >= 64
-    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6  # one schedule over both phases
+    assert (
+        int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
+    )  # one schedule over both phases

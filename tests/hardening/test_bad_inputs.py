@@ -18,7 +18,11 @@ import kbert
 from kbert.tokenizers import BertTokenizer
 from tests.harness import TINY
 
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the cat dog sat on mat ##s , . !".split() + list("abcdefghij")
+VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + "the cat dog sat on mat ##s , . !".split()
+    + list("abcdefghij")
+)
 
 TEXTS = {
     "empty": "",
@@ -61,6 +65,7 @@ def _finite(values):
 
 def _text_entry_points(text):
     """(name, call(models) -> None) for every entry point that takes raw text."""
+
     def tokenizer(m):
         ids = m["tokenizer"].tokenize(text)
         assert all(0 <= i < len(VOCAB) for i in ids)
@@ -87,15 +92,26 @@ def _text_entry_points(text):
     def mc(m):
         _finite(m["mc"].predict(([text], [[text, "the cat"]]), verbose=0))
 
-    return [("tokenizer", tokenizer), ("pair_with_empty_side", pair), ("classifier", classifier),
-            ("embedder", embedder), ("tagger", tagger), ("question_answerer", qa), ("multiple_choice", mc)]
+    return [
+        ("tokenizer", tokenizer),
+        ("pair_with_empty_side", pair),
+        ("classifier", classifier),
+        ("embedder", embedder),
+        ("tagger", tagger),
+        ("question_answerer", qa),
+        ("multiple_choice", mc),
+    ]
 
 
 def _error_cases():
     """(name, call(models, tmp_path), message regex) that must raise ValueError."""
+
     def long_sequence(m, tmp):
         backbone = m["classifier"].backbone
-        x = {k: np.ones((1, TINY["max_sequence_length"] + 1), "int32") for k in ("token_ids", "segment_ids", "padding_mask")}
+        x = {
+            k: np.ones((1, TINY["max_sequence_length"] + 1), "int32")
+            for k in ("token_ids", "segment_ids", "padding_mask")
+        }
         backbone.predict(x, verbose=0)
 
     def create_data(path_text, encoding="utf-8"):
@@ -106,6 +122,7 @@ def _error_cases():
             from kbert.data import read_documents
 
             read_documents([str(corpus)])
+
         return call
 
     def cli_empty_corpus(m, tmp):
@@ -113,26 +130,80 @@ def _error_cases():
 
         (tmp / "empty.txt").write_text("")
         (tmp / "vocab.txt").write_text("\n".join(VOCAB))
-        code = cli.main(["create-pretraining-data", "--input", str(tmp / "empty.txt"), "--vocab",
-                         str(tmp / "vocab.txt"), "--output", str(tmp / "out")])
+        code = cli.main(
+            [
+                "create-pretraining-data",
+                "--input",
+                str(tmp / "empty.txt"),
+                "--vocab",
+                str(tmp / "vocab.txt"),
+                "--output",
+                str(tmp / "out"),
+            ]
+        )
         if code == 2:
             raise ValueError("the corpus is empty (CLI exit code 2)")
 
     return [
-        ("classifier_label_too_big", lambda m, t: m["classifier"].fit(["a"], np.array([3]), verbose=0), "outside"),
-        ("classifier_label_negative", lambda m, t: m["classifier"].fit(["a"], np.array([-1]), verbose=0), "outside"),
-        ("classifier_fractional_label", lambda m, t: m["classifier"].fit(["a"], np.array([0.5]), verbose=0), "integers"),
-        ("regression_nan_target", lambda m, t: m["regressor"].fit(["a"], np.array([np.nan]), verbose=0), "nan"),
-        ("regression_inf_target", lambda m, t: m["regressor"].fit(["a"], np.array([np.inf]), verbose=0), "inf"),
-        ("tagger_label_out_of_range", lambda m, t: m["tagger"].fit([["a"]], [[7]], verbose=0), "outside"),
-        ("tagger_label_count_mismatch", lambda m, t: m["tagger"].fit([["a", "b"]], [[1]], verbose=0), "labels"),
-        ("mc_label_out_of_range", lambda m, t: m["mc"].fit((["a"], [["a", "b"]]), np.array([2]), verbose=0), "outside"),
-        ("mc_wrong_choice_count", lambda m, t: m["mc"].predict((["a"], [["a"]]), verbose=0), "choices"),
-        ("qa_answer_not_in_context", lambda m, t: m["qa"].prepare_features(["a"], ["the cat"],
-                                                                          [{"text": "dog", "answer_start": 0}]), "answer"),
+        (
+            "classifier_label_too_big",
+            lambda m, t: m["classifier"].fit(["a"], np.array([3]), verbose=0),
+            "outside",
+        ),
+        (
+            "classifier_label_negative",
+            lambda m, t: m["classifier"].fit(["a"], np.array([-1]), verbose=0),
+            "outside",
+        ),
+        (
+            "classifier_fractional_label",
+            lambda m, t: m["classifier"].fit(["a"], np.array([0.5]), verbose=0),
+            "integers",
+        ),
+        (
+            "regression_nan_target",
+            lambda m, t: m["regressor"].fit(["a"], np.array([np.nan]), verbose=0),
+            "nan",
+        ),
+        (
+            "regression_inf_target",
+            lambda m, t: m["regressor"].fit(["a"], np.array([np.inf]), verbose=0),
+            "inf",
+        ),
+        (
+            "tagger_label_out_of_range",
+            lambda m, t: m["tagger"].fit([["a"]], [[7]], verbose=0),
+            "outside",
+        ),
+        (
+            "tagger_label_count_mismatch",
+            lambda m, t: m["tagger"].fit([["a", "b"]], [[1]], verbose=0),
+            "labels",
+        ),
+        (
+            "mc_label_out_of_range",
+            lambda m, t: m["mc"].fit((["a"], [["a", "b"]]), np.array([2]), verbose=0),
+            "outside",
+        ),
+        (
+            "mc_wrong_choice_count",
+            lambda m, t: m["mc"].predict((["a"], [["a"]]), verbose=0),
+            "choices",
+        ),
+        (
+            "qa_answer_not_in_context",
+            lambda m, t: m["qa"].prepare_features(
+                ["a"], ["the cat"], [{"text": "dog", "answer_start": 0}]
+            ),
+            "answer",
+        ),
         ("text_not_a_string", lambda m, t: m["preprocessor"]([None]), "strings"),
         ("pairs_count_mismatch", lambda m, t: m["preprocessor"](["a", "b"], ["a"]), "pairs"),
-        ("vocabulary_without_mask", lambda m, t: BertTokenizer([v for v in VOCAB if v != "[MASK]"]), "MASK"),
+        (
+            "vocabulary_without_mask",
+            lambda m, t: BertTokenizer([v for v in VOCAB if v != "[MASK]"]),
+            "MASK",
+        ),
         ("sequence_longer_than_model", long_sequence, "sequence"),
         ("empty_corpus_file", create_data(""), "empty"),
         ("corpus_not_utf8", create_data("caf\u00e9 cr\u00e8me", "latin-1"), "UTF-8"),
@@ -140,7 +211,11 @@ def _error_cases():
     ]
 
 
-CASES = [(f"{entry}[{name}]", call, None) for name, text in TEXTS.items() for entry, call in _text_entry_points(text)]
+CASES = [
+    (f"{entry}[{name}]", call, None)
+    for name, text in TEXTS.items()
+    for entry, call in _text_entry_points(text)
+]
 CASES += [(name, call, message) for name, call, message in _error_cases()]
 
 
@@ -156,10 +231,14 @@ def test_bad_input(case, models, tmp_path):
 
 # --- property-based fuzzing: raw text -> model outputs ----------------------------
 
-texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60) | st.sampled_from(list(TEXTS.values())[:-3])
+texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60) | st.sampled_from(
+    list(TEXTS.values())[:-3]
+)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=texts, others=st.lists(texts, min_size=1, max_size=3))
 def test_fuzzed_text_gives_finite_batch_invariant_outputs(models, text, others):
     model = models["classifier"]

@@ -12,7 +12,9 @@ from tests.models.test_pretrainer import batch
 def test_float16_overflow_steps_are_skipped_and_training_continues():
     keras.config.set_dtype_policy("mixed_float16")
     model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY))
-    optimizer = keras.optimizers.LossScaleOptimizer(create_optimizer(1e-3, 100, 0), initial_scale=2.0**40)
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        create_optimizer(1e-3, 100, 0), initial_scale=2.0**40
+    )
     model.compile(optimizer=optimizer)
     x, y = batch(seed=0)
     before = [np.array(keras.ops.convert_to_numpy(v)) for v in model.trainable_weights]

@@ -74,7 +74,9 @@ def test_truncated_weights_with_matching_checksum_are_refused(preset):
     data = (preset / "model.safetensors").read_bytes()[:1000]
     (preset / "model.safetensors").write_bytes(data)
     metadata = json.loads((preset / "metadata.json").read_text())
-    _rewrite_metadata(preset, {**metadata["files"], "model.safetensors": hashlib.sha256(data).hexdigest()})
+    _rewrite_metadata(
+        preset, {**metadata["files"], "model.safetensors": hashlib.sha256(data).hexdigest()}
+    )
     with pytest.raises(PresetError, match="corrupt or truncated"):
         kbert.BertBackbone.from_preset(preset)
 

@@ -32,7 +32,10 @@ def _preset(d):
 def _set_checksums(directory, files=None):
     metadata = json.loads((directory / "metadata.json").read_text())
     if files is None:
-        files = {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in metadata["files"]}
+        files = {
+            name: hashlib.sha256((directory / name).read_bytes()).hexdigest()
+            for name in metadata["files"]
+        }
     metadata["files"] = files
     (directory / "metadata.json").write_text(json.dumps(metadata))
 
@@ -59,17 +62,27 @@ def keras_lambda(d):
 
 def keras_unregistered_class(d):
     kbert.BertBackbone(**TINY).save(d / "m.keras")
-    _rezip(d / "m.keras", lambda c: c.update(class_name="system", module="os", registered_name="system"))
-    return lambda: keras.saving.load_model(d / "m.keras"), "(?i)could not|unknown|not.*found|locate|interpret"
+    _rezip(
+        d / "m.keras",
+        lambda c: c.update(class_name="system", module="os", registered_name="system"),
+    )
+    return lambda: keras.saving.load_model(
+        d / "m.keras"
+    ), "(?i)could not|unknown|not.*found|locate|interpret"
 
 
 def keras_vocabulary_is_a_path(d):
     pre = kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), 8)
-    kbert.BertClassifier(kbert.BertBackbone(**{**TINY, "vocabulary_size": 7}), 2, preprocessor=pre).save(d / "m.keras")
+    kbert.BertClassifier(
+        kbert.BertBackbone(**{**TINY, "vocabulary_size": 7}), 2, preprocessor=pre
+    ).save(d / "m.keras")
     (d.parent / "secret_vocab.txt").write_text("\n".join(VOCAB))
 
     def edit(config):
-        config["config"]["preprocessor"]["config"]["tokenizer"]["vocabulary"] = str(d.parent / "secret_vocab.txt")
+        config["config"]["preprocessor"]["config"]["tokenizer"]["vocabulary"] = str(
+            d.parent / "secret_vocab.txt"
+        )
+
     _rezip(d / "m.keras", edit)
     return lambda: keras.saving.load_model(d / "m.keras"), "embed its vocabulary"
 
@@ -80,6 +93,7 @@ def _metadata_naming(name):
         metadata = json.loads((p / "metadata.json").read_text())
         _set_checksums(p, {**metadata["files"], name: "0" * 64})
         return lambda: kbert.BertBackbone.from_preset(p), "unsafe file"
+
     build.__name__ = f"preset_metadata_names_{name!r}"
     return build
 
@@ -145,9 +159,18 @@ class _Payload:
 def huggingface_pickle_without_opt_in(d):
     h = d / "hf"
     h.mkdir()
-    (h / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 97, "hidden_size": 32,
-                                                "num_hidden_layers": 2, "num_attention_heads": 4,
-                                                "intermediate_size": 37}))
+    (h / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bert",
+                "vocab_size": 97,
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "intermediate_size": 37,
+            }
+        )
+    )
     with open(h / "pytorch_model.bin", "wb") as f:
         pickle.dump(_Payload(str(d / MARKER)), f)
     return lambda: kbert.BertBackbone.from_preset(h), "allow_pickle=True"
@@ -163,8 +186,14 @@ def huggingface_other_model_type(d):
 def keras_hub_vocabulary_symlink(d):
     keras_hub = pytest.importorskip("keras_hub")
     k = d / "kh"
-    keras_hub.models.BertBackbone(vocabulary_size=7, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
-                                  max_sequence_length=8).save_to_preset(str(k))
+    keras_hub.models.BertBackbone(
+        vocabulary_size=7,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=8,
+    ).save_to_preset(str(k))
     (k / "assets" / "tokenizer").mkdir(parents=True)
     (d.parent / "outside_vocab.txt").write_text("\n".join(VOCAB))
     os.symlink(d.parent / "outside_vocab.txt", k / "assets" / "tokenizer" / "vocabulary.txt")
@@ -174,18 +203,35 @@ def keras_hub_vocabulary_symlink(d):
 def keras_hub_truncated_weights(d):
     keras_hub = pytest.importorskip("keras_hub")
     k = d / "kh"
-    keras_hub.models.BertBackbone(vocabulary_size=7, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
-                                  max_sequence_length=8).save_to_preset(str(k))
+    keras_hub.models.BertBackbone(
+        vocabulary_size=7,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=8,
+    ).save_to_preset(str(k))
     (k / "model.weights.h5").write_bytes((k / "model.weights.h5").read_bytes()[:500])
     return lambda: kbert.BertBackbone.from_preset(k), "model.weights.h5"
 
 
 HOSTILE = [
-    keras_lambda, keras_unregistered_class, keras_vocabulary_is_a_path,
-    _metadata_naming("../outside.json"), _metadata_naming("/etc/passwd"), _metadata_naming("sub/dir.json"),
-    preset_symlink_leaving, preset_checksum_mismatch, preset_truncated_weights, preset_garbage_weights,
-    preset_nan_weights, preset_wrong_class, huggingface_pickle_without_opt_in, huggingface_other_model_type,
-    keras_hub_vocabulary_symlink, keras_hub_truncated_weights,
+    keras_lambda,
+    keras_unregistered_class,
+    keras_vocabulary_is_a_path,
+    _metadata_naming("../outside.json"),
+    _metadata_naming("/etc/passwd"),
+    _metadata_naming("sub/dir.json"),
+    preset_symlink_leaving,
+    preset_checksum_mismatch,
+    preset_truncated_weights,
+    preset_garbage_weights,
+    preset_nan_weights,
+    preset_wrong_class,
+    huggingface_pickle_without_opt_in,
+    huggingface_other_model_type,
+    keras_hub_vocabulary_symlink,
+    keras_hub_truncated_weights,
 ]
 
 

@@ -11,16 +11,23 @@ from kbert.layers import Dense, Dropout, LayerNorm, fused
 def test_dense_equals_keras_dense_with_and_without_bias_and_lora():
     x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
     for use_bias in (True, False):
-        ours, ref = Dense(6, use_bias=use_bias, activation="gelu"), keras.layers.Dense(6, use_bias=use_bias, activation="gelu")
+        ours, ref = (
+            Dense(6, use_bias=use_bias, activation="gelu"),
+            keras.layers.Dense(6, use_bias=use_bias, activation="gelu"),
+        )
         ours.build(x.shape)
         ref.build(x.shape)
         ref.set_weights([w + 0.1 for w in ours.get_weights()])
         ours.set_weights(ref.get_weights())
-        np.testing.assert_allclose(keras.ops.convert_to_numpy(ours(x)), keras.ops.convert_to_numpy(ref(x)), atol=1e-6)
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(ours(x)), keras.ops.convert_to_numpy(ref(x)), atol=1e-6
+        )
     ours.enable_lora(2, b_initializer="ones")
     ref.enable_lora(2, b_initializer="ones")
     ref.set_weights(ours.get_weights())
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(ours(x)), keras.ops.convert_to_numpy(ref(x)), atol=1e-5)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(ours(x)), keras.ops.convert_to_numpy(ref(x)), atol=1e-5
+    )
 
 
 def test_dense_gradient_matches_keras_dense():
@@ -58,7 +65,9 @@ def test_dropout_scales_half_precision_without_bias():
     bfloat16-rounded 1 / 0.9 (1.109, 0.16% low on every kept value)."""
     x = np.random.default_rng(2).uniform(1, 2, (200, 200)).astype("float32")
     x16 = keras.ops.cast(x, "bfloat16")
-    out = keras.ops.convert_to_numpy(keras.ops.cast(Dropout(0.1, seed=1, dtype="bfloat16")(x16, training=True), "float32"))
+    out = keras.ops.convert_to_numpy(
+        keras.ops.cast(Dropout(0.1, seed=1, dtype="bfloat16")(x16, training=True), "float32")
+    )
     kept = out != 0
     ratio = out[kept] / keras.ops.convert_to_numpy(keras.ops.cast(x16, "float32"))[kept]
     assert abs(ratio.mean() * 0.9 - 1) < 3e-4  # unbiased: rounding errors average out
@@ -84,7 +93,9 @@ def test_dropout_gradient_uses_the_forward_mask():
     x = jnp.linspace(-1, 1, 3000, dtype=jnp.float32).reshape(30, 100)
     weights = jnp.cos(x)
     out = fused.fused_dropout(x, 0.3, FixedSeed())
-    grad = jax.jit(jax.grad(lambda v: (fused.fused_dropout(v, 0.3, FixedSeed()) * weights).sum()))(x)
+    grad = jax.jit(jax.grad(lambda v: (fused.fused_dropout(v, 0.3, FixedSeed()) * weights).sum()))(
+        x
+    )
     keep = np.asarray(out) != 0
     scale = 1 / 0.7
     assert abs(keep.mean() - 0.7) < 0.03
@@ -123,9 +134,13 @@ def test_dropout_bits_are_uniform_and_uncorrelated():
 
 def test_paths_are_reported():
     backend = keras.backend.backend()
-    assert fused.fused_dense_path() == ("torch-linear" if backend == "torch" else "keras-matmul-add")
+    assert fused.fused_dense_path() == (
+        "torch-linear" if backend == "torch" else "keras-matmul-add"
+    )
     assert fused.fused_dropout_path() == ("jax-hash" if backend == "jax" else f"keras-{backend}")
-    assert fused.fused_attention_path("float32") == ("torch-sdpa" if backend == "torch" else f"keras-{backend}")
+    assert fused.fused_attention_path("float32") == (
+        "torch-sdpa" if backend == "torch" else f"keras-{backend}"
+    )
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the cuDNN key-length path is JAX's")
@@ -153,7 +168,9 @@ def test_key_reordering_makes_any_mask_exact_for_key_lengths():
 
     np.testing.assert_allclose(reordered(q, k, v), reference(q, k, v), atol=1e-6)
     loss = lambda f: lambda *a: (f(*a) ** 2).sum()  # noqa: E731
-    for a, b in zip(jax.grad(loss(reordered), (0, 1, 2))(q, k, v), jax.grad(loss(reference), (0, 1, 2))(q, k, v)):
+    for a, b in zip(
+        jax.grad(loss(reordered), (0, 1, 2))(q, k, v), jax.grad(loss(reference), (0, 1, 2))(q, k, v)
+    ):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
@@ -161,7 +178,9 @@ def test_key_reordering_makes_any_mask_exact_for_key_lengths():
 def test_gelu_values(approximate):
     x = np.linspace(-6, 6, 101).astype("float32")
     ours = keras.ops.convert_to_numpy(fused.fused_gelu(keras.ops.convert_to_tensor(x), approximate))
-    ref = keras.ops.convert_to_numpy(keras.activations.gelu(keras.ops.convert_to_tensor(x), approximate=approximate))
+    ref = keras.ops.convert_to_numpy(
+        keras.activations.gelu(keras.ops.convert_to_tensor(x), approximate=approximate)
+    )
     np.testing.assert_allclose(ours, ref, atol=1e-6)
 
 
@@ -177,23 +196,36 @@ def test_gelu_gradient_is_autodiff_of_gelu(approximate):
     want = jax.grad(lambda v: (jax.nn.gelu(v, approximate=approximate) * weights).sum())(x)
     np.testing.assert_allclose(got, want, atol=2e-6)
     x16 = x.astype(jnp.bfloat16)  # bfloat16 in, bfloat16 gradient out, computed in float32
-    got16 = jax.grad(lambda v: (fused.fused_gelu(v, approximate).astype(jnp.float32) * weights).sum())(x16)
+    got16 = jax.grad(
+        lambda v: (fused.fused_gelu(v, approximate).astype(jnp.float32) * weights).sum()
+    )(x16)
     assert got16.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(got16, "float32"), jax.grad(
-        lambda v: (jax.nn.gelu(v, approximate=approximate) * weights).sum())(x16.astype(jnp.float32)), atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(got16, "float32"),
+        jax.grad(lambda v: (jax.nn.gelu(v, approximate=approximate) * weights).sum())(
+            x16.astype(jnp.float32)
+        ),
+        atol=1e-2,
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_norm_equals_keras_layer_normalization(dtype):
     rng = np.random.default_rng(5)
     x = (rng.normal(size=(3, 7, 16)) * 3 + 1.5).astype("float32")
-    ours, ref = LayerNorm(epsilon=1e-12, dtype=dtype), keras.layers.LayerNormalization(epsilon=1e-12, dtype=dtype)
+    ours, ref = (
+        LayerNorm(epsilon=1e-12, dtype=dtype),
+        keras.layers.LayerNormalization(epsilon=1e-12, dtype=dtype),
+    )
     ours.build(x.shape)
     ref.build(x.shape)
     ours.set_weights([rng.normal(size=16).astype("float32") for _ in range(2)])
     ref.set_weights(ours.get_weights())
     tensor = keras.ops.cast(keras.ops.convert_to_tensor(x), dtype)
-    got, want = (keras.ops.convert_to_numpy(keras.ops.cast(layer(tensor), "float32")) for layer in (ours, ref))
+    got, want = (
+        keras.ops.convert_to_numpy(keras.ops.cast(layer(tensor), "float32"))
+        for layer in (ours, ref)
+    )
     np.testing.assert_allclose(got, want, atol=1e-5 if dtype == "float32" else 3e-2)
 
 
@@ -219,7 +251,9 @@ def test_layer_norm_gradient_is_autodiff_of_keras_layer_norm():
 
 def _embedding_inputs():
     rng = np.random.default_rng(3)
-    tokens, positions, segments = (rng.normal(size=s).astype("float32") for s in ((4, 6, 8), (6, 8), (3, 8)))
+    tokens, positions, segments = (
+        rng.normal(size=s).astype("float32") for s in ((4, 6, 8), (6, 8), (3, 8))
+    )
     return tokens, positions, segments, rng.integers(0, 3, (4, 6)).astype("int32")
 
 
@@ -259,7 +293,9 @@ def test_reverse_embedding_product_and_gradient_are_unchanged_by_padding(vocabul
 
     layer = TokenEmbedding(vocabulary, 16)
     layer.build((None,))
-    layer.embeddings.assign(np.random.default_rng(5).normal(size=(vocabulary, 16)).astype("float32"))
+    layer.embeddings.assign(
+        np.random.default_rng(5).normal(size=(vocabulary, 16)).astype("float32")
+    )
     x = np.random.default_rng(6).normal(size=(3, 4, 16)).astype("float32")
     table = keras.ops.convert_to_numpy(layer.embeddings)
     padded = keras.ops.convert_to_numpy(layer(x, reverse=True))
@@ -273,7 +309,9 @@ def test_reverse_embedding_product_and_gradient_are_unchanged_by_padding(vocabul
 
         np.testing.assert_allclose(table_gradient(64), table_gradient(0), atol=1e-4, rtol=1e-5)
         with pytest.raises(AssertionError):  # the check sees a wrong gradient
-            np.testing.assert_allclose(table_gradient(64), 1.01 * table_gradient(0), atol=1e-4, rtol=1e-5)
+            np.testing.assert_allclose(
+                table_gradient(64), 1.01 * table_gradient(0), atol=1e-4, rtol=1e-5
+            )
 
 
 def _reverse_with(layer, table, pad, x):
@@ -289,7 +327,9 @@ def _reverse_with(layer, table, pad, x):
         type(layer).REVERSE_PAD = original
 
 
-@pytest.mark.skipif(keras.backend.backend() != "torch", reason="the oneDNN path is torch's CPU inference")
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="the oneDNN path is torch's CPU inference"
+)
 def test_torch_cpu_inference_path_is_exact_and_follows_weight_updates():
     import torch
 
@@ -298,18 +338,27 @@ def test_torch_cpu_inference_path_is_exact_and_follows_weight_updates():
     layer = Dense(12, activation="gelu")
     layer.build(x.shape)
     kernel, bias = layer.get_weights()
-    expected = lambda k, b: keras.activations.gelu(x @ torch.as_tensor(k) + torch.as_tensor(b), approximate=False)  # noqa: E731
+    expected = lambda k, b: keras.activations.gelu(
+        x @ torch.as_tensor(k) + torch.as_tensor(b), approximate=False
+    )  # noqa: E731
     with torch.no_grad():
         assert fused.fused_dense_path(x) == "torch-onednn-packed"
         np.testing.assert_allclose(layer(x).numpy(), expected(kernel, bias).numpy(), atol=1e-5)
-        layer.set_weights([kernel * 2, bias + 1])  # in-place update: the reordered weight must follow
-        np.testing.assert_allclose(layer(x).numpy(), expected(kernel * 2, bias + 1).numpy(), atol=1e-5)
+        layer.set_weights(
+            [kernel * 2, bias + 1]
+        )  # in-place update: the reordered weight must follow
+        np.testing.assert_allclose(
+            layer(x).numpy(), expected(kernel * 2, bias + 1).numpy(), atol=1e-5
+        )
         layer.kernel.assign(kernel * 3)
-        np.testing.assert_allclose(layer(x).numpy(), expected(kernel * 3, bias + 1).numpy(), atol=1e-5)
+        np.testing.assert_allclose(
+            layer(x).numpy(), expected(kernel * 3, bias + 1).numpy(), atol=1e-5
+        )
         unbiased = Dense(12, use_bias=False)
         unbiased.build(x.shape)
-        np.testing.assert_allclose(unbiased(x).numpy(), (x @ torch.as_tensor(unbiased.get_weights()[0])).numpy(),
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            unbiased(x).numpy(), (x @ torch.as_tensor(unbiased.get_weights()[0])).numpy(), atol=1e-5
+        )
     assert fused.fused_dense_path(x) == "torch-linear"  # autograd on: the differentiable path
     out = layer(x)
     out.sum().backward()
@@ -326,12 +375,16 @@ def test_sublayer_call_equals_calling_the_layer(policy, monkeypatch):
     import kbert.layers.encoder as encoder
 
     block = encoder.TransformerEncoderBlock(2, 16, 32, dropout=0.0, dtype=policy)
-    x = keras.ops.convert_to_tensor(np.random.default_rng(0).normal(size=(2, 5, 16)), block.compute_dtype)
+    x = keras.ops.convert_to_tensor(
+        np.random.default_rng(0).normal(size=(2, 5, 16)), block.compute_dtype
+    )
     mask = keras.ops.ones((2, 5), "int32")
     block(x, mask)
     with monkeypatch.context() as plain:
         for module in (attention, encoder):
-            plain.setattr(module, "sublayer_call", lambda layer, *args, **kwargs: layer(*args, **kwargs))
+            plain.setattr(
+                module, "sublayer_call", lambda layer, *args, **kwargs: layer(*args, **kwargs)
+            )
         expected = keras.ops.convert_to_numpy(keras.ops.cast(block(x, mask), "float32"))
 
     calls = []
@@ -381,8 +434,13 @@ def test_attention_under_data_parallel_pins_batch_shards():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=root, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", DATA_PARALLEL_ATTENTION], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", DATA_PARALLEL_ATTENTION],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -398,8 +456,12 @@ def test_attention_dropout_is_unbiased_on_every_path():
     mask = np.array([[1] * 6, [1] * 4 + [0] * 2], "int32")
     layer(x, mask)
     want = keras.ops.convert_to_numpy(layer(x, mask, training=False))
-    draws = np.stack([keras.ops.convert_to_numpy(layer(x, mask, training=True)) for _ in range(1500)])
-    assert layer.attention_path(True) == ("fused" if keras.backend.backend() == "torch" else "explicit")
+    draws = np.stack(
+        [keras.ops.convert_to_numpy(layer(x, mask, training=True)) for _ in range(1500)]
+    )
+    assert layer.attention_path(True) == (
+        "fused" if keras.backend.backend() == "torch" else "explicit"
+    )
     assert np.abs(draws[0] - draws[1]).max() > 1e-3  # masks differ between calls
     assert np.abs(draws[0] - want).max() > 1e-3
     spread = draws.std(axis=0).max()

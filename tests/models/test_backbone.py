@@ -159,9 +159,17 @@ def test_mixed_precision(x):
 
 def _count(config):
     """Parameters of a BERT backbone, from the paper's architecture."""
-    v, h, i, p, s, layers = (config[k] for k in (
-        "vocabulary_size", "hidden_dim", "intermediate_dim", "max_sequence_length",
-        "type_vocab_size", "num_layers"))
+    v, h, i, p, s, layers = (
+        config[k]
+        for k in (
+            "vocabulary_size",
+            "hidden_dim",
+            "intermediate_dim",
+            "max_sequence_length",
+            "type_vocab_size",
+            "num_layers",
+        )
+    )
     embeddings = (v + p + s) * h + 2 * h
     block = 4 * h * h + 4 * h + 2 * h * i + i + h + 4 * h
     return embeddings + layers * block + h * h + h
@@ -169,9 +177,17 @@ def _count(config):
 
 def test_architectures():
     tiny = kbert.BertBackbone.from_architecture("bert_tiny")
-    assert (tiny.num_layers, tiny.hidden_dim, tiny.num_heads, tiny.intermediate_dim) == (2, 128, 2, 512)
+    assert (tiny.num_layers, tiny.hidden_dim, tiny.num_heads, tiny.intermediate_dim) == (
+        2,
+        128,
+        2,
+        512,
+    )
     assert tiny.count_params() == _count(tiny.get_config())
-    sizes = {name: _count(kbert.presets.architecture_config(name)) for name in kbert.presets.ARCHITECTURES}
+    sizes = {
+        name: _count(kbert.presets.architecture_config(name))
+        for name in kbert.presets.ARCHITECTURES
+    }
     assert 108e6 < sizes["bert_base"] < 111e6  # "110M" in the paper
     assert 333e6 < sizes["bert_large"] < 336e6  # "340M"
     assert kbert.presets.architecture_config("bert_large")["num_heads"] == 16

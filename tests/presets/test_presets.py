@@ -2,10 +2,8 @@ import functools
 import http.server
 import json
 import os
-import shutil
 import threading
 
-import numpy as np
 import pytest
 
 import kbert
@@ -59,7 +57,9 @@ def test_other_class_in_kbert_preset(saved):
     metadata = json.loads((directory / "metadata.json").read_text())
     import hashlib
 
-    metadata["files"]["config.json"] = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
+    metadata["files"]["config.json"] = hashlib.sha256(
+        (directory / "config.json").read_bytes()
+    ).hexdigest()
     (directory / "metadata.json").write_text(json.dumps(metadata))
     with pytest.raises(PresetError, match="GPT2Backbone"):
         kbert.BertBackbone.from_preset(directory)
@@ -91,7 +91,9 @@ def test_registered_name_offline_names_url(monkeypatch, tmp_path):
         "bert_base_en_uncased",
         {**registry.PRESETS["bert_base_en_uncased"], "url": "http://127.0.0.1:9/bert/"},
     )
-    with pytest.raises(OSError, match=r"http://127\.0\.0\.1:9/bert/config\.json.*pass their directory"):
+    with pytest.raises(
+        OSError, match=r"http://127\.0\.0\.1:9/bert/config\.json.*pass their directory"
+    ):
         kbert.BertBackbone.from_preset("bert_base_en_uncased")
 
 
@@ -112,7 +114,12 @@ def test_registered_name_downloads_and_caches(monkeypatch, tmp_path):
             "local_test",
             {
                 "url": f"http://127.0.0.1:{server.server_address[1]}/",
-                "files": ("config.json", "model.safetensors", "metadata.json", "tokenizer_config.json"),
+                "files": (
+                    "config.json",
+                    "model.safetensors",
+                    "metadata.json",
+                    "tokenizer_config.json",
+                ),
                 "description": "test",
             },
         )

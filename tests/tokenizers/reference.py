@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-
 import unicodedata
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
@@ -34,9 +33,19 @@ def _is_punctuation(char):
 
 
 def _is_cjk(cp):
-    return any(lo <= cp <= hi for lo, hi in (
-        (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
-        (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F)))
+    return any(
+        lo <= cp <= hi
+        for lo, hi in (
+            (0x4E00, 0x9FFF),
+            (0x3400, 0x4DBF),
+            (0x20000, 0x2A6DF),
+            (0x2A700, 0x2B73F),
+            (0x2B740, 0x2B81F),
+            (0x2B820, 0x2CEAF),
+            (0xF900, 0xFAFF),
+            (0x2F800, 0x2FA1F),
+        )
+    )
 
 
 class ReferenceTokenizer:
@@ -59,7 +68,11 @@ class ReferenceTokenizer:
         for token in text.strip().split():
             if self.lowercase:
                 token = token.lower()
-                token = "".join(c for c in unicodedata.normalize("NFD", token) if unicodedata.category(c) != "Mn")
+                token = "".join(
+                    c
+                    for c in unicodedata.normalize("NFD", token)
+                    if unicodedata.category(c) != "Mn"
+                )
             words, start_new = [], True
             for char in token:
                 if _is_punctuation(char):

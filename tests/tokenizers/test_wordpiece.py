@@ -22,7 +22,9 @@ def uncased():
 @pytest.fixture(scope="module")
 def cased(tmp_path_factory):
     root = data_dir()
-    files = [os.path.join(root, "corpora", f) for f in ("sherlock.txt", "wikitext-2-valid.tokens.txt")]
+    files = [
+        os.path.join(root, "corpora", f) for f in ("sherlock.txt", "wikitext-2-valid.tokens.txt")
+    ]
     files.append(os.path.join(root, "conll2003", "eng.testa"))
     path = tmp_path_factory.mktemp("vocab") / "vocab.txt"
     train_wordpiece_vocabulary(files, 4000, output=str(path), lowercase=False)
@@ -97,7 +99,9 @@ fuzz_text = st.one_of(hard_text, hard_text, any_text, url, long_word)
 
 
 @pytest.mark.large
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+)
 @given(batch=st.lists(fuzz_text, min_size=100, max_size=100))
 def test_fuzz_against_reference_and_tf(uncased, batch):
     """100 examples x 100 strings = 10,000 fuzzed strings."""
@@ -125,14 +129,31 @@ def test_empty_whitespace_and_huge_strings(uncased):
 
 def test_long_word_is_unknown_by_characters(uncased):
     assert uncased.tokenize("a" * 101) == [uncased.unk_id]
-    assert uncased.tokenize("é" * 100) != [uncased.unk_id] or uncased.tokenize("e" * 100) == [uncased.unk_id]
-    assert uncased.tf_tokenize(["a" * 101, "é" * 40]).to_list() == uncased.tokenize(["a" * 101, "é" * 40])
+    assert uncased.tokenize("é" * 100) != [uncased.unk_id] or uncased.tokenize("e" * 100) == [
+        uncased.unk_id
+    ]
+    assert uncased.tf_tokenize(["a" * 101, "é" * 40]).to_list() == uncased.tokenize(
+        ["a" * 101, "é" * 40]
+    )
 
 
 def test_pair_packing(uncased):
     out = uncased(["hello world"], ["how are you"], sequence_length=12)
     tokens = [uncased.id_to_token(i) for i in out["token_ids"][0]]
-    assert tokens == ["[CLS]", "hello", "world", "[SEP]", "how", "are", "you", "[SEP]", "[PAD]", "[PAD]", "[PAD]", "[PAD]"]
+    assert tokens == [
+        "[CLS]",
+        "hello",
+        "world",
+        "[SEP]",
+        "how",
+        "are",
+        "you",
+        "[SEP]",
+        "[PAD]",
+        "[PAD]",
+        "[PAD]",
+        "[PAD]",
+    ]
     assert out["segment_ids"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0]
     assert out["padding_mask"][0].tolist() == [1] * 8 + [0] * 4
     in_graph = uncased.tf_call(tf.constant(["hello world"]), tf.constant(["how are you"]), 12)
@@ -206,7 +227,9 @@ def test_training_on_empty_input_fails_clearly():
         train_wordpiece_vocabulary(["", "  "], 100)
 
 
-@pytest.mark.parametrize("text", ["\ufffd", "a\ufffdb", "é\ufffd", "\x00", "x\u200by", "\u2028", "Σ\ufffdΣ"])
+@pytest.mark.parametrize(
+    "text", ["\ufffd", "a\ufffdb", "é\ufffd", "\x00", "x\u200by", "\u2028", "Σ\ufffdΣ"]
+)
 def test_deleted_characters_in_printable_text(uncased, text):
     """Regression: U+FFFD is printable, yet the reference deletes it."""
     reference = ReferenceTokenizer(uncased.vocabulary, True)

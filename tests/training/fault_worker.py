@@ -16,8 +16,8 @@ import keras
 import numpy as np
 
 import kbert
-from kbert.training import create_optimizer, fit_resumable
 from kbert.training import callbacks as kbert_callbacks
+from kbert.training import create_optimizer, fit_resumable
 from tests.harness import TINY
 from tests.models.test_pretrainer import batch
 
@@ -76,8 +76,18 @@ def main():
             return original(path, **arrays)
 
         kbert_callbacks.np.savez = dying_savez
-    fit_resumable(model, make, TOTAL, args.checkpoint_dir, steps_per_checkpoint=EVERY, callbacks=[Fault()], verbose=0)
-    np.savez(args.out, *[keras.ops.convert_to_numpy(v) for v in model.weights], losses=np.asarray(losses))
+    fit_resumable(
+        model,
+        make,
+        TOTAL,
+        args.checkpoint_dir,
+        steps_per_checkpoint=EVERY,
+        callbacks=[Fault()],
+        verbose=0,
+    )
+    np.savez(
+        args.out, *[keras.ops.convert_to_numpy(v) for v in model.weights], losses=np.asarray(losses)
+    )
 
 
 if __name__ == "__main__":

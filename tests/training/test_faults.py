@@ -16,16 +16,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(checkpoints, out, *flags, seed=0):
-    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    result = subprocess.run([sys.executable, "-m", "tests.training.fault_worker", str(checkpoints), str(out),
-                             *flags, "--seed", str(seed)], env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "CUDA_VISIBLE_DEVICES": "",
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.training.fault_worker",
+            str(checkpoints),
+            str(out),
+            *flags,
+            "--seed",
+            str(seed),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return result
 
 
 def _weights(path):
     with np.load(path) as f:
-        return [f[k] for k in sorted((k for k in f.files if k.startswith("arr_")), key=lambda k: int(k.split("_")[1]))]
+        return [
+            f[k]
+            for k in sorted(
+                (k for k in f.files if k.startswith("arr_")), key=lambda k: int(k.split("_")[1])
+            )
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +86,10 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(uninterrupted
     result = _run(ckpt, out, "--kill-in-save", "2", seed=0)  # dies writing the step-4 checkpoint
     assert result.returncode == -signal.SIGKILL
     names = sorted(os.listdir(ckpt))
-    assert names == ["ckpt-000000002", "ckpt-000000004.tmp"]  # the half-written one never got its name
+    assert names == [
+        "ckpt-000000002",
+        "ckpt-000000004.tmp",
+    ]  # the half-written one never got its name
     result = _run(ckpt, out, seed=2)
     assert result.returncode == 0, result.stderr[-2000:]
     _assert_same(_weights(out), uninterrupted)

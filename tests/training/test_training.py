@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 import kbert
-from kbert.training import NonFiniteLossError, WarmupLinearDecay, create_optimizer, fit_resumable, latest_checkpoint
+from kbert.training import (
+    NonFiniteLossError,
+    WarmupLinearDecay,
+    create_optimizer,
+    fit_resumable,
+    latest_checkpoint,
+)
 from tests.harness import TINY
 from tests.models.test_pretrainer import batch
 
@@ -20,7 +26,9 @@ def test_schedule_matches_the_original():
 
 
 def test_weight_decay_skips_layer_norm_and_bias():
-    optimizer = create_optimizer(learning_rate=0.1, num_train_steps=10, num_warmup_steps=0, weight_decay=0.5, clipnorm=None)
+    optimizer = create_optimizer(
+        learning_rate=0.1, num_train_steps=10, num_warmup_steps=0, weight_decay=0.5, clipnorm=None
+    )
     kernel = keras.Variable(np.ones((2, 2), "float32"), name="kernel")
     bias = keras.Variable(np.ones((2,), "float32"), name="bias")
     gamma = keras.Variable(np.ones((2,), "float32"), name="gamma")
@@ -37,8 +45,9 @@ def test_adamw_matches_a_numpy_reference():
     schedule, over three steps; on torch this runs Keras' multi-tensor path."""
     rng = np.random.default_rng(0)
     lr, total, wd, clip, eps = 0.1, 10, 0.1, 1.0, 1e-6
-    optimizer = create_optimizer(learning_rate=lr, num_train_steps=total, num_warmup_steps=0, weight_decay=wd,
-                                 clipnorm=clip)
+    optimizer = create_optimizer(
+        learning_rate=lr, num_train_steps=total, num_warmup_steps=0, weight_decay=wd, clipnorm=clip
+    )
     values = [rng.normal(size=(3, 2)).astype("float32"), rng.normal(size=(2,)).astype("float32")]
     variables = [keras.Variable(values[0], name="kernel"), keras.Variable(values[1], name="bias")]
     optimizer.build(variables)
@@ -97,13 +106,19 @@ def _weights(model):
 def test_killed_and_resumed_run_equals_uninterrupted(tmp_path):
     items = _batches()
     full = _model(0)
-    fit_resumable(full, _make_dataset(items), 6, str(tmp_path / "full"), steps_per_checkpoint=2, verbose=0)
+    fit_resumable(
+        full, _make_dataset(items), 6, str(tmp_path / "full"), steps_per_checkpoint=2, verbose=0
+    )
 
     first = _model(0)
-    fit_resumable(first, _make_dataset(items), 4, str(tmp_path / "cut"), steps_per_checkpoint=2, verbose=0)
+    fit_resumable(
+        first, _make_dataset(items), 4, str(tmp_path / "cut"), steps_per_checkpoint=2, verbose=0
+    )
     del first  # the process "dies" after step 4
     resumed = _model(99)  # a new process: different initial weights and RNG
-    _, start = fit_resumable(resumed, _make_dataset(items), 6, str(tmp_path / "cut"), steps_per_checkpoint=2, verbose=0)
+    _, start = fit_resumable(
+        resumed, _make_dataset(items), 6, str(tmp_path / "cut"), steps_per_checkpoint=2, verbose=0
+    )
     assert start == 4
     for a, b in zip(_weights(full), _weights(resumed)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
@@ -113,17 +128,28 @@ def test_killed_and_resumed_run_equals_uninterrupted(tmp_path):
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     model = _model(0)
     with pytest.raises(NonFiniteLossError, match="step 3"):
-        fit_resumable(model, _make_dataset(_batches(nan_at=2)), 6, str(tmp_path), steps_per_checkpoint=2, verbose=0)
+        fit_resumable(
+            model,
+            _make_dataset(_batches(nan_at=2)),
+            6,
+            str(tmp_path),
+            steps_per_checkpoint=2,
+            verbose=0,
+        )
     assert latest_checkpoint(str(tmp_path)).endswith("ckpt-000000002")
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):
     items = _batches()
-    fit_resumable(_model(0), _make_dataset(items), 2, str(tmp_path), steps_per_checkpoint=2, verbose=0)
+    fit_resumable(
+        _model(0), _make_dataset(items), 2, str(tmp_path), steps_per_checkpoint=2, verbose=0
+    )
     other = kbert.BertPreTrainer(kbert.BertBackbone(**{**TINY, "num_layers": 1}))
     other.compile(optimizer=create_optimizer(1e-3, 6, 2))
     with pytest.raises(ValueError, match="different model"):
-        fit_resumable(other, _make_dataset(items), 4, str(tmp_path), steps_per_checkpoint=2, verbose=0)
+        fit_resumable(
+            other, _make_dataset(items), 4, str(tmp_path), steps_per_checkpoint=2, verbose=0
+        )
 
 
 DISTRIBUTED = textwrap.dedent(
@@ -156,8 +182,14 @@ DISTRIBUTED = textwrap.dedent(
 def _train(engine, out, env_extra, clipnorm):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", **env_extra)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", DISTRIBUTED, engine, out, str(clipnorm)], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", DISTRIBUTED, engine, out, str(clipnorm)],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     with np.load(out) as f:
         return int(f["replicas"]), [f[f"arr_{i}"] for i in range(len(f.files) - 1)]
@@ -240,8 +272,17 @@ def test_two_worker_processes_equal_single_device(clipnorm, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", KERAS_BACKEND="tensorflow", PYTHONPATH=root)
     ports = ",".join(map(str, _free_ports(2)))
     out = str(tmp_path / "mw.npz")
-    workers = [subprocess.Popen([sys.executable, "-c", MULTI_WORKER, str(i), ports, out, str(clipnorm)], env=env,
-                                cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", MULTI_WORKER, str(i), ports, out, str(clipnorm)],
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         results = [w.communicate(timeout=600) for w in workers]
     finally:
@@ -257,7 +298,9 @@ def test_two_worker_processes_equal_single_device(clipnorm, tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "torch", reason="host-to-device copies of constants are torch's")
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="host-to-device copies of constants are torch's"
+)
 def test_torch_training_step_adds_no_host_device_syncs(monkeypatch):
     """Every Python constant that Keras' torch backend turns into a tensor is
     a host-to-device copy, which synchronises the CUDA stream. A kbert
@@ -265,25 +308,33 @@ def test_torch_training_step_adds_no_host_device_syncs(monkeypatch):
     step counter) makes none."""
     import traceback
 
-    import torch
-
     import keras.src.backend.torch.core as core
     import keras.src.backend.torch.numpy as torch_numpy
+    import torch
 
     from tests.models.test_pretrainer import batch
 
     model = kbert.BertPreTrainer(kbert.BertBackbone(**{**TINY, "attention_dropout": 0.1}))
     model.compile(optimizer=create_optimizer(1e-3, 100, 10))
     x, y = batch(seed=0)
-    data = ({k: torch.as_tensor(v) for k, v in x.items()}, {k: torch.as_tensor(v) for k, v in y.items()})
+    data = (
+        {k: torch.as_tensor(v) for k, v in x.items()},
+        {k: torch.as_tensor(v) for k, v in y.items()},
+    )
     model.train_on_batch(*data)
     callers = []
     original = core.convert_to_tensor
 
     def recording(value, *args, **kwargs):
         if isinstance(value, (bool, int, float)):
-            ours = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}kbert{os.sep}" in f.filename]
-            callers.append(f"{os.path.basename(ours[-1].filename)}:{ours[-1].name}" if ours else "outside kbert")
+            ours = [
+                f for f in traceback.extract_stack()[:-1] if f"{os.sep}kbert{os.sep}" in f.filename
+            ]
+            callers.append(
+                f"{os.path.basename(ours[-1].filename)}:{ours[-1].name}"
+                if ours
+                else "outside kbert"
+            )
         return original(value, *args, **kwargs)
 
     monkeypatch.setattr(core, "convert_to_tensor", recording)
@@ -316,7 +367,10 @@ def test_torch_fit_makes_batches_on_the_host():
         iterator = trainer.TorchEpochIterator(x=x, batch_size=2, shuffle=False)
         with keras.device("meta"):
             host = [data[0] for _, _, data in iterator.enumerate_epoch()]
-            default = [data[0] for _, _, data in original(x=x, batch_size=2, shuffle=False).enumerate_epoch()]
+            default = [
+                data[0]
+                for _, _, data in original(x=x, batch_size=2, shuffle=False).enumerate_epoch()
+            ]
     assert trainer.TorchEpochIterator is original
     assert all(b.device.type == "meta" for b in default)  # the copy Keras would make
     assert all(b.device.type == "cpu" for b in host)
@@ -359,21 +413,37 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
     parts = [batch(seed=s) for s in range(4)]
     x = {k: np.concatenate([p[0][k] for p in parts])[:14] for k in parts[0][0]}
     y = {k: np.concatenate([p[1][k] for p in parts])[:14] for k in parts[0][1]}
-    for _ in range(2):  # with validation: the torch test_step makes Keras' constants on the device too
-        history = graphed.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)).history
-        reference = eager.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)).history
+    for _ in range(
+        2
+    ):  # with validation: the torch test_step makes Keras' constants on the device too
+        history = graphed.fit(
+            x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)
+        ).history
+        reference = eager.fit(
+            x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)
+        ).history
         # 7 batches: 2 eager warm-up steps, the captured one, 4 replays
         assert graphed.cuda_graph_stats == {"replays": 5, "eager_steps": 2, "capture_failed": None}
         np.testing.assert_allclose(history["loss"], reference["loss"], rtol=1e-5)
         np.testing.assert_allclose(history["val_loss"], reference["val_loss"], rtol=1e-5)
-    assert int(graphed.optimizer.iterations.numpy()) == int(eager.optimizer.iterations.numpy()) == 14
+    assert (
+        int(graphed.optimizer.iterations.numpy()) == int(eager.optimizer.iterations.numpy()) == 14
+    )
     for a, b in zip(graphed.get_weights(), eager.get_weights()):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
     # a partial last batch runs eagerly
-    graphed.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # 3 full batches and one of 2
+    graphed.fit(
+        x, y, batch_size=4, epochs=1, shuffle=False, verbose=0
+    )  # 3 full batches and one of 2
     assert graphed.cuda_graph_stats == {"replays": 1, "eager_steps": 3, "capture_failed": None}
-    graphed.fit({k: v[:13] for k, v in x.items()}, {k: v[:13] for k, v in y.items()}, batch_size=2, epochs=1,
-                shuffle=False, verbose=0)
+    graphed.fit(
+        {k: v[:13] for k, v in x.items()},
+        {k: v[:13] for k, v in y.items()},
+        batch_size=2,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+    )
     assert graphed.cuda_graph_stats == {"replays": 4, "eager_steps": 3, "capture_failed": None}
 
 
@@ -387,9 +457,18 @@ def test_cuda_graph_replays_draw_new_dropout_masks():
     x, y = batch(seed=0)
     repeat = 8
     losses = []
-    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda step, logs: losses.append(float(logs["mlm_loss"])))
-    model.fit({k: np.concatenate([v] * repeat) for k, v in x.items()}, {k: np.concatenate([v] * repeat) for k, v in y.items()},
-              batch_size=len(y["mask_ids"]), epochs=1, shuffle=False, verbose=0, callbacks=[record])
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda step, logs: losses.append(float(logs["mlm_loss"]))
+    )
+    model.fit(
+        {k: np.concatenate([v] * repeat) for k, v in x.items()},
+        {k: np.concatenate([v] * repeat) for k, v in y.items()},
+        batch_size=len(y["mask_ids"]),
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[record],
+    )
     assert model.cuda_graph_stats["replays"] == repeat - 2
     # mlm_loss is a running mean: step k's own loss is k * m_k - (k - 1) * m_(k-1)
     step_losses = [losses[0]] + [(k + 1) * losses[k] - k * losses[k - 1] for k in range(1, repeat)]
@@ -416,10 +495,19 @@ def test_cuda_graph_fine_tuning_trains_as_the_eager_fit(task):
         if task == "token_classifier":
             model = kbert.BertTokenClassifier(backbone, num_classes=3)
         else:
-            model = kbert.BertClassifier(backbone, num_classes=3, freeze_backbone=task == "frozen_classifier")
+            model = kbert.BertClassifier(
+                backbone, num_classes=3, freeze_backbone=task == "frozen_classifier"
+            )
         model.compile(learning_rate=1e-3, cuda_graph=graph)
-        history = model.fit(x, **targets, batch_size=2, epochs=2, shuffle=False, verbose=0,
-                            validation_data=(x, *targets.values())).history
+        history = model.fit(
+            x,
+            **targets,
+            batch_size=2,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            validation_data=(x, *targets.values()),
+        ).history
         models.append((model, history))
     (graphed, history), (eager, reference) = models
     # 2 epochs of 6 batches: 2 eager warm-up steps, the captured one, 9 replays
@@ -443,12 +531,16 @@ def test_device_constants_equal_keras_conversions():
     for value in (3, 2.5, True, (4,), (2, 3), [1.0, 2.5], 1e-7):
         for dtype in (None, "float32", "int32"):
             want = core.convert_to_tensor(value, dtype=dtype)
-            got = device_constant(core.convert_to_tensor, value, dtype, torch.device(core.get_device()))
+            got = device_constant(
+                core.convert_to_tensor, value, dtype, torch.device(core.get_device())
+            )
             assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (value, dtype)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "torch", reason="the CUDA graph choice is the torch backend's")
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="the CUDA graph choice is the torch backend's"
+)
 def test_cuda_graph_auto_skips_steps_with_user_code():
     """With cuda_graph="auto", a step that runs user code (a loss or metric
     function, an overridden compute_loss) stays eager: a replay would not

@@ -1,19 +1,17 @@
-"""The `kbert` command: presets, create-pretraining-data, check-pretraining-data, pretrain."""
+"""What the `kbert` commands run: create-pretraining-data, check-pretraining-data,
+convert, pretrain.
 
-import argparse
+The command line itself (arguments, `--help`, `kbert presets`) is `kbert_cli`,
+which needs only the standard library and imports this module when a command
+runs; `python -m kbert.cli` is the same command.
+"""
+
 import json
+import os
 import sys
 
 
-def _presets(args):
-    from kbert.presets import list_presets
-
-    for name, description in list_presets().items():
-        print(f"{name}\t{description}")
-    return 0
-
-
-def _create(args):
+def create_pretraining_data(args):
     from kbert.data import MaskingConfig, create_pretraining_data
     from kbert.tokenizers import BertTokenizer
 
@@ -38,18 +36,15 @@ def _create(args):
     return 0
 
 
-def _check(args):
+def check_pretraining_data(args):
     from kbert.data import check_directory
 
     print(json.dumps(check_directory(args.directory), indent=2))
     return 0
 
 
-def _load_any(source, allow_pickle=False):
+def _load_any(source):
     """The model a preset or Hugging Face directory holds, with its head."""
-    import json
-    import os
-
     import kbert
     from kbert.convert import huggingface
 
@@ -82,7 +77,7 @@ def _load_any(source, allow_pickle=False):
     return kbert.BertBackbone.from_preset(source)
 
 
-def _convert(args):
+def convert(args):
     from kbert.convert.huggingface import export_to_huggingface
 
     model = _load_any(args.source)
@@ -94,8 +89,8 @@ def _convert(args):
     return 0
 
 
-def _pretrain(args, rest):
-    import os
+def pretrain(argv):
+    """Runs examples/pretrain.py with `argv` as its arguments."""
     import runpy
 
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain.py")
@@ -105,61 +100,16 @@ def _pretrain(args, rest):
             file=sys.stderr,
         )
         return 2
-    sys.argv = [script] + rest
+    sys.argv = [script] + list(argv)
     runpy.run_path(script, run_name="__main__")
     return 0
 
 
-def build_parser():
-    parser = argparse.ArgumentParser(prog="kbert", description="BERT for Keras 3.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("presets", help="list registered presets").set_defaults(func=_presets)
-
-    create = commands.add_parser(
-        "create-pretraining-data",
-        help="documents -> MLM/NSP TFRecords (original BERT feature format)",
-    )
-    create.add_argument(
-        "--input", nargs="+", required=True, help="corpus files, one output shard each"
-    )
-    create.add_argument("--vocab", required=True, help="vocab.txt")
-    create.add_argument("--output", required=True, help="output directory")
-    create.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
-    create.add_argument("--format", default="lines", choices=["lines", "prose", "wikitext"])
-    create.add_argument("--max-seq-length", type=int, default=128)
-    create.add_argument("--max-predictions-per-seq", type=int, default=20)
-    create.add_argument("--masked-lm-prob", type=float, default=0.15)
-    create.add_argument("--dupe-factor", type=int, default=10)
-    create.add_argument("--short-seq-prob", type=float, default=0.1)
-    create.add_argument("--seed", type=int, default=12345)
-    create.add_argument("--whole-word-mask", action="store_true")
-    create.add_argument("--workers", type=int, default=None)
-    create.set_defaults(func=_create)
-
-    convert = commands.add_parser("convert", help="kbert preset <-> Hugging Face directory")
-    convert.add_argument("source", help="kbert preset or Hugging Face BERT directory")
-    convert.add_argument("destination")
-    convert.add_argument("--to", choices=["kbert", "huggingface"], default="kbert")
-    convert.set_defaults(func=_convert)
-
-    check = commands.add_parser("check-pretraining-data", help="statistics of a created directory")
-    check.add_argument("directory")
-    check.set_defaults(func=_check)
-
-    commands.add_parser("pretrain", help="run examples/pretrain.py (same flags)", add_help=False)
-    return parser
-
-
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "pretrain":
-        return _pretrain(None, argv[1:])
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as e:
-        print(f"kbert {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    """The `kbert` command (kbert_cli.main)."""
+    import kbert_cli
+
+    return kbert_cli.main(argv)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,13 @@ A registered preset is a Hugging Face BERT directory served over HTTPS; it is
 downloaded once into the cache (`$KBERT_CACHE`, default ~/.cache/kbert) and
 then loaded like any local directory. Offline, loading fails with one message
 that names the URL and how to pass a local directory instead.
+
+The names, repositories and descriptions are data in `presets.json`, which the
+`kbert` command (`kbert_cli`) reads to list them without importing kbert, and
+with it Keras and a backend.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -17,32 +22,23 @@ from kbert.utils.naming import closest
 _HF = "https://huggingface.co/{repo}/resolve/main/"
 _FILES = ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json")
 
-
-def _hf(repo, description):
-    return {"url": _HF.format(repo=repo), "files": _FILES, "description": description}
+REGISTRY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets.json")
 
 
-PRESETS = {
-    "bert_base_en_uncased": _hf(
-        "google-bert/bert-base-uncased", "BERT-base, uncased English, MLM+NSP heads."
-    ),
-    "bert_base_en_cased": _hf(
-        "google-bert/bert-base-cased", "BERT-base, cased English, MLM+NSP heads."
-    ),
-    "bert_large_en_uncased": _hf(
-        "google-bert/bert-large-uncased", "BERT-large, uncased English, MLM+NSP heads."
-    ),
-    "bert_large_en_cased": _hf(
-        "google-bert/bert-large-cased", "BERT-large, cased English, MLM+NSP heads."
-    ),
-    "bert_base_multi_cased": _hf(
-        "google-bert/bert-base-multilingual-cased", "BERT-base, 104 languages, cased."
-    ),
-    "all_minilm_l6_v2": _hf(
-        "sentence-transformers/all-MiniLM-L6-v2",
-        "6-layer MiniLM sentence encoder (BERT architecture).",
-    ),
-}
+def _read_registry():
+    with open(REGISTRY_FILE, encoding="utf-8") as f:
+        entries = json.load(f)
+    return {
+        name: {
+            "url": _HF.format(repo=entry["huggingface"]),
+            "files": _FILES,
+            "description": entry["description"],
+        }
+        for name, entry in entries.items()
+    }
+
+
+PRESETS = _read_registry()
 
 OPTIONAL_FILES = {"tokenizer_config.json"}
 

@@ -1,0 +1,103 @@
+"""The `kbert` command: argument parsing and dispatch, standard library only.
+
+`import kbert` imports Keras and a backend (it registers every model and layer
+for `keras.saving`), which takes seconds. This package sits outside `kbert` so
+that `kbert --help`, each command's `--help` and `kbert presets` run without it;
+the commands that need models or data import `kbert.cli` and run there.
+
+    kbert presets
+    kbert convert ./hf_bert ./kbert_preset
+    python -m kbert_cli --help
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+COMMANDS = {
+    # command: function of kbert.cli that runs it
+    "create-pretraining-data": "create_pretraining_data",
+    "convert": "convert",
+    "check-pretraining-data": "check_pretraining_data",
+}
+
+
+def _registry_file():
+    # find_spec of a top-level package locates it without running its __init__.
+    spec = importlib.util.find_spec("kbert")
+    if spec is None or not spec.submodule_search_locations:
+        raise OSError("the kbert package is not installed; pip install kbert")
+    return os.path.join(list(spec.submodule_search_locations)[0], "presets", "presets.json")
+
+
+def list_presets():
+    """{name: description} of the registered presets (kbert.presets.list_presets,
+    read from the same file without importing kbert)."""
+    with open(_registry_file(), encoding="utf-8") as f:
+        return {name: entry["description"] for name, entry in json.load(f).items()}
+
+
+def _presets(args):
+    for name, description in list_presets().items():
+        print(f"{name}\t{description}")
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="kbert", description="BERT for Keras 3.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("presets", help="list registered presets")
+
+    create = commands.add_parser(
+        "create-pretraining-data",
+        help="documents -> MLM/NSP TFRecords (original BERT feature format)",
+    )
+    create.add_argument(
+        "--input", nargs="+", required=True, help="corpus files, one output shard each"
+    )
+    create.add_argument("--vocab", required=True, help="vocab.txt")
+    create.add_argument("--output", required=True, help="output directory")
+    create.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True)
+    create.add_argument("--format", default="lines", choices=["lines", "prose", "wikitext"])
+    create.add_argument("--max-seq-length", type=int, default=128)
+    create.add_argument("--max-predictions-per-seq", type=int, default=20)
+    create.add_argument("--masked-lm-prob", type=float, default=0.15)
+    create.add_argument("--dupe-factor", type=int, default=10)
+    create.add_argument("--short-seq-prob", type=float, default=0.1)
+    create.add_argument("--seed", type=int, default=12345)
+    create.add_argument("--whole-word-mask", action="store_true")
+    create.add_argument("--workers", type=int, default=None)
+
+    convert = commands.add_parser("convert", help="kbert preset <-> Hugging Face directory")
+    convert.add_argument("source", help="kbert preset or Hugging Face BERT directory")
+    convert.add_argument("destination")
+    convert.add_argument("--to", choices=["kbert", "huggingface"], default="kbert")
+
+    check = commands.add_parser("check-pretraining-data", help="statistics of a created directory")
+    check.add_argument("directory")
+
+    # Its flags are examples/pretrain.py's, which parses them itself.
+    commands.add_parser("pretrain", help="run examples/pretrain.py (same flags)", add_help=False)
+    return parser
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "pretrain":
+        from kbert import cli
+
+        return cli.pretrain(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "presets":
+        run = _presets
+    else:
+        from kbert import cli
+
+        run = getattr(cli, COMMANDS[args.command])
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"kbert {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,5 @@
+import sys
+
+from kbert_cli import main
+
+sys.exit(main())

@@ -1,6 +1,6 @@
 """kbert: BERT for Keras 3 on JAX, PyTorch and TensorFlow."""
 
-from kbert import layers, metrics, presets
+from kbert import convert, data, layers, metrics, presets, training
 from kbert.models import (
     BertBackbone,
     BertClassifier,
@@ -26,17 +26,11 @@ __all__ = [
     "BertTextEmbedder",
     "BertTokenClassifier",
     "BertTokenizer",
+    "convert",
+    "data",
     "layers",
     "metrics",
     "presets",
+    "training",
     "__version__",
 ]
-
-
-def __getattr__(name):
-    # Submodules that import TensorFlow or heavy extras load on first use.
-    if name in ("data", "convert", "training", "cli"):
-        import importlib
-
-        return importlib.import_module(f"kbert.{name}")
-    raise AttributeError(f"module 'kbert' has no attribute {name!r}")

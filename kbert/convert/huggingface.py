@@ -7,13 +7,16 @@ only when the caller passes `allow_pickle=True` (and then with torch's
 """
 
 import json
+import logging
 import os
 
 import numpy as np
 
+from kbert.convert import tf_checkpoint
 from kbert.layers.activations import canonical_activation
-from kbert.presets.io import PresetError, new_adapters, preset_file, read_json
-from kbert.presets.weights import assign_weights
+from kbert.presets.io import PresetError, preset_file, read_json
+
+logger = logging.getLogger("kbert")
 
 HF_TO_KBERT_CONFIG = {
     "vocab_size": "vocabulary_size",
@@ -34,8 +37,6 @@ HF_TO_KBERT_CONFIG = {
 def is_huggingface_dir(directory):
     """A Hugging Face BERT directory, or an original TF checkpoint directory
     (both are read through this module)."""
-    from kbert.convert import tf_checkpoint
-
     if tf_checkpoint.is_tf_checkpoint_dir(directory):
         return True
     path = os.path.join(directory, "config.json")
@@ -71,7 +72,8 @@ def backbone_config_from_hf(hf_config, source="config.json"):
     absent = [k for k in required if k not in config]
     if absent:
         raise PresetError(
-            f"{source} lacks {absent} (Hugging Face names: {[k for k, v in HF_TO_KBERT_CONFIG.items() if v in absent]})"
+            f"{source} lacks {absent} (Hugging Face names: "
+            f"{[k for k, v in HF_TO_KBERT_CONFIG.items() if v in absent]})"
         )
     return config
 
@@ -185,8 +187,6 @@ def backbone_weights_from_hf(state, num_layers):
 def _config_and_state(directory, allow_pickle=False, with_state=True):
     """(HF-style config, HF-style state dict or None) for a Hugging Face
     directory or an original TensorFlow checkpoint directory."""
-    from kbert.convert import tf_checkpoint
-
     if tf_checkpoint.is_tf_checkpoint_dir(directory):
         config = tf_checkpoint.read_config(directory)
         return config, (
@@ -200,36 +200,25 @@ def _config_and_state(directory, allow_pickle=False, with_state=True):
     )
 
 
-def load_backbone(directory, load_weights=True, allow_pickle=False, **overrides):
-    from kbert.models.backbone import BertBackbone
-
+def read_backbone(directory, load_weights=True, allow_pickle=False):
+    """(kbert backbone config, {kbert path: array} or None, weight path
+    prefixes the checkpoint may lack) from a Hugging Face BERT directory or
+    an original TF checkpoint directory. Refuses other models before reading
+    any weights."""
     hf_config, _ = _config_and_state(directory, with_state=False)
-    config = backbone_config_from_hf(
-        hf_config, f"{directory}/config.json"
-    )  # refuses other models first
-    state = _config_and_state(directory, allow_pickle)[1] if load_weights else None
-    backbone = BertBackbone(**{**config, **overrides})
-    if load_weights:
-        weights, _ = backbone_weights_from_hf(state, backbone.num_layers)
-        missing_pooler = "pooler/dense/kernel" not in weights
-        if missing_pooler:
-            import logging
-
-            logging.getLogger("kbert").warning(
-                "%s has no pooler weights; the pooler is freshly initialised", directory
-            )
-        assign_weights(
-            backbone,
-            weights,
-            source=f"Hugging Face weights in {directory}",
-            allow_missing=(("pooler/",) if missing_pooler else ()) + new_adapters({}, overrides),
-        )
-    return backbone
+    config = backbone_config_from_hf(hf_config, f"{directory}/config.json")
+    if not load_weights:
+        return config, None, ()
+    state = _config_and_state(directory, allow_pickle)[1]
+    weights, _ = backbone_weights_from_hf(state, config["num_layers"])
+    if "pooler/dense/kernel" in weights:
+        return config, weights, ()
+    logger.warning("%s has no pooler weights; the pooler is freshly initialised", directory)
+    return config, weights, ("pooler/",)
 
 
-def _head_weights(model, state):
+def _head_weights(name, state):
     """kbert head paths -> arrays for the heads a Hugging Face checkpoint has."""
-    name = type(model).__name__
     if name in ("BertPreTrainer", "BertMaskedLM"):
         needed = ["cls.predictions.transform.dense.weight", "cls.predictions.bias"]
         if not all(k in state for k in needed):
@@ -264,23 +253,14 @@ def _head_weights(model, state):
     return None
 
 
-def load_task_head(model, directory):
-    """Loads a task head from a Hugging Face directory's checkpoint; False when
-    the directory is not a Hugging Face one or has no matching head."""
+def read_task_head(class_name, directory):
+    """{kbert head path: array} of the `class_name` head (e.g.
+    "BertClassifier") a Hugging Face checkpoint holds, or None when the
+    directory is not a Hugging Face one or has no such head."""
     if not is_huggingface_dir(directory):
-        return False
+        return None
     _, state = _config_and_state(directory)
-    weights = _head_weights(model, state)
-    if weights is None:
-        return False
-    paths = model.head_weight_paths()
-    if set(weights) != set(paths):
-        raise PresetError(
-            f"the Hugging Face head in {directory} does not map onto {type(model).__name__}: "
-            f"expected {sorted(paths)}, got {sorted(weights)}"
-        )
-    assign_weights(model, weights, source=f"Hugging Face head in {directory}", paths=paths)
-    return True
+    return _head_weights(class_name, state)
 
 
 KBERT_TO_HF_ACTIVATION = {
@@ -341,8 +321,6 @@ def export_to_huggingface(model, directory):
     """Writes a Hugging Face BERT directory (config.json, model.safetensors,
     vocab.txt + tokenizer_config.json when a preprocessor is attached) that
     `transformers` loads with the matching `BertFor...` class."""
-    import os
-
     from safetensors.numpy import save_file
 
     name = type(model).__name__

@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from kbert.presets.io import PresetError, preset_file, read_json
-from kbert.presets.weights import assign_weights
+from kbert.tokenizers import BertTokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
@@ -41,8 +41,8 @@ def backbone_config(directory):
     config = read_json(directory, CONFIG_FILE)
     if config.get("registered_name") != "keras_hub>BertBackbone":
         raise PresetError(
-            f"{directory}/{CONFIG_FILE} is a keras-hub {config.get('registered_name')!r}, not a BERT backbone "
-            "(keras_hub>BertBackbone)"
+            f"{directory}/{CONFIG_FILE} is a keras-hub {config.get('registered_name')!r}, "
+            "not a BERT backbone (keras_hub>BertBackbone)"
         )
     c = config.get("config", {})
     try:
@@ -142,31 +142,21 @@ def backbone_weights(raw, config, source):
     return w
 
 
-def load_backbone(directory, load_weights=True, **overrides):
-    from kbert.models.backbone import BertBackbone
-
+def read_backbone(directory, load_weights=True):
+    """(kbert backbone config, {kbert path: array} or None) from a keras-hub
+    BERT preset directory."""
     config = backbone_config(directory)
-    backbone = BertBackbone(**{**config, **overrides})
-    if load_weights:
-        path = preset_file(directory, WEIGHTS_FILE)
-        if not os.path.isfile(path):
-            raise PresetError(f"{directory} has no {WEIGHTS_FILE}")
-        source = f"keras-hub weights in {path}"
-        from kbert.presets.io import new_adapters
-
-        assign_weights(
-            backbone,
-            backbone_weights(read_h5_weights(path), config, source),
-            source=source,
-            allow_missing=new_adapters({}, overrides),
-        )
-    return backbone
+    if not load_weights:
+        return config, None
+    path = preset_file(directory, WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        raise PresetError(f"{directory} has no {WEIGHTS_FILE}")
+    source = f"keras-hub weights in {path}"
+    return config, backbone_weights(read_h5_weights(path), config, source)
 
 
 def load_tokenizer(directory):
     """kbert BertTokenizer from a keras-hub preset's vocabulary and casing, or None."""
-    from kbert.tokenizers import BertTokenizer
-
     vocab = os.path.join(directory, VOCABULARY_FILE)
     if not os.path.isfile(vocab):
         return None

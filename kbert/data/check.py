@@ -11,7 +11,7 @@ def load_arrays(directory_or_files, max_seq_length, max_predictions_per_seq):
     """All examples as numpy arrays, parsed with the original feature spec."""
     import tensorflow as tf
 
-    from kbert.data.tfrecords import feature_spec
+    from kbert.data.tfrecords import feature_spec  # imports TensorFlow
 
     if isinstance(directory_or_files, str) and os.path.isdir(directory_or_files):
         files = sorted(glob.glob(os.path.join(directory_or_files, "*.tfrecord")))

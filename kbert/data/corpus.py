@@ -164,7 +164,8 @@ def read_documents(inputs, format="lines", min_document_sentences=20, report=Non
             )
         else:
             raise ValueError(
-                f"expected a file path, a document string or a list of sentences, got {type(item).__name__}"
+                "expected a file path, a document string or a list of sentences, "
+                f"got {type(item).__name__}"
             )
     if not documents:
         raise ValueError(f"the corpus is empty: no sentences in {inputs!r}"[:300])

@@ -19,12 +19,11 @@ from kbert.data.pretraining import (
     instances_to_arrays,
     tokenize_documents,
 )
+from kbert.tokenizers import BertTokenizer
 
 
 def _shard_instances(args):
     path, tokenizer_state, masking, dupe_factor, seed, index, format = args
-    from kbert.tokenizers import BertTokenizer
-
     tokenizer = BertTokenizer(**tokenizer_state)
     report = CorpusReport()
     documents = tokenize_documents(
@@ -68,7 +67,7 @@ def create_pretraining_data(
     """
     import tensorflow as tf
 
-    from kbert.data.tfrecords import FEATURE_NAMES, _example
+    from kbert.data.tfrecords import FEATURE_NAMES, _example  # imports TensorFlow
 
     masking = masking or MaskingConfig()
     inputs = [

@@ -12,6 +12,8 @@ import os
 import keras
 import numpy as np
 
+from kbert.data.check import load_arrays
+
 X_NAMES = ("token_ids", "segment_ids", "padding_mask", "mask_positions")
 Y_NAMES = ("mask_ids", "mask_weights", "next_sentence_labels")
 _FROM_ORIGINAL = {
@@ -27,8 +29,6 @@ _FROM_ORIGINAL = {
 
 def export_numpy(tfrecord_dir, output_dir):
     """TFRecords made by `create_pretraining_data` -> `<name>.npy` files."""
-    from kbert.data.check import load_arrays
-
     with open(os.path.join(tfrecord_dir, "manifest.json")) as f:
         manifest = json.load(f)
     masking = manifest["masking"]

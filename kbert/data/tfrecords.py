@@ -12,7 +12,7 @@ import random
 
 import tensorflow as tf
 
-from kbert.data.pretraining import instances_to_arrays
+from kbert.data.pretraining import InstanceMaker, MaskingConfig, instances_to_arrays
 
 FEATURE_NAMES = (
     "input_ids",
@@ -172,8 +172,6 @@ def dynamic_pretraining_dataset(
         seed: int. epoch e is made with `random.Random(seed + e)`.
         repeat: bool. cycle epochs forever.
     """
-    from kbert.data.pretraining import InstanceMaker, MaskingConfig
-
     masking = masking or MaskingConfig()
     maker = InstanceMaker(tokenizer, masking)
     t, p = masking.max_seq_length, masking.max_predictions_per_seq

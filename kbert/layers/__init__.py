@@ -1,6 +1,5 @@
 """Backend-agnostic BERT building blocks (keras + keras.ops only)."""
 
-from kbert.layers import fused
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention

@@ -7,7 +7,7 @@ agreement with the reference, so the name is part of the model config.
 
 import keras
 
-from kbert.layers.fused import fused_gelu
+from kbert.backend.ops import fused_gelu
 from kbert.utils.naming import closest
 
 

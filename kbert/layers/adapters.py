@@ -6,6 +6,7 @@ Shapes: B batch, T tokens, H hidden, M adapter (bottleneck) width.
 
 import keras
 
+from kbert.backend import keras_internals
 from kbert.layers.activations import get_activation
 from kbert.layers.dense import Dense
 
@@ -83,7 +84,7 @@ def train_only_adapters(backbone):
     backbone.trainable = True
     layer_norms = {
         id(v)
-        for layer in backbone._flatten_layers(include_self=False, recursive=True)
+        for layer in keras_internals.flatten_layers(backbone)
         if isinstance(layer, keras.layers.LayerNormalization)
         for v in layer.weights
     }

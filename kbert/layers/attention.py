@@ -4,7 +4,7 @@ Shapes: B batch, T query tokens, S key tokens (= T), N heads, D head size,
 H hidden (= N * D).
 
 Two paths compute the same function:
-- fused: `kbert.layers.fused` (cuDNN flash attention on JAX+GPU,
+- fused: `kbert.backend.ops` (cuDNN flash attention on JAX+GPU,
   PyTorch SDPA on torch, XLA elsewhere), used whenever no attention-probability dropout is
   active, i.e. at inference and when training with `attention_dropout=0`,
   and on torch also with it (SDPA drops attention probabilities itself);
@@ -19,9 +19,9 @@ import math
 import keras
 from keras import ops
 
+from kbert.backend.ops import attention_dropout_is_fused, fused_attention, sublayer_call
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
-from kbert.layers.fused import fused_attention, sublayer_call
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -76,7 +76,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
     def attention_path(self, training=None):
         """'fused' or 'explicit': the attention path a call with `training` takes."""
         dropping = training and self.attention_dropout > 0
-        return "explicit" if dropping and keras.backend.backend() != "torch" else "fused"
+        return "explicit" if dropping and not attention_dropout_is_fused() else "fused"
 
     def call(self, inputs, padding_mask, training=None):
         batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]

@@ -1,10 +1,10 @@
 """`Dense`: keras.layers.Dense whose matrix product and bias add run as one
-fused operation where the backend has one (see `kbert.layers.fused`)."""
+fused operation where the backend has one (see `kbert.backend.ops`)."""
 
 import keras
 from keras import ops
 
-from kbert.layers.fused import PackedWeightCache, fused_dense
+from kbert.backend.ops import fused_dense, packed_weight_cache
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -25,7 +25,7 @@ class Dense(keras.layers.Dense):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Not a Keras-tracked attribute: a cache, never saved.
-        object.__setattr__(self, "_packed_weight", PackedWeightCache())
+        object.__setattr__(self, "packed_weight", packed_weight_cache())
 
     def call(self, inputs, training=None):
         if self.quantization_mode is not None:
@@ -33,7 +33,7 @@ class Dense(keras.layers.Dense):
         kernel = ops.cast(self.kernel, self.compute_dtype)
         bias = None if self.bias is None else ops.cast(self.bias, self.compute_dtype)
         x = fused_dense(
-            ops.cast(inputs, self.compute_dtype), kernel, bias, cache=self._packed_weight
+            ops.cast(inputs, self.compute_dtype), kernel, bias, cache=self.packed_weight
         )
         if self.activation is not None:
             x = self.activation(x)

@@ -3,7 +3,7 @@ bit generator of the backend (see `kbert.layers.fused.fused_dropout`)."""
 
 import keras
 
-from kbert.layers.fused import fused_dropout
+from kbert.backend.ops import fused_dropout
 
 
 @keras.saving.register_keras_serializable(package="kbert")

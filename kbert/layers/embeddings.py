@@ -6,8 +6,8 @@ Shapes: B batch, T tokens, H hidden, V vocabulary.
 import keras
 from keras import ops
 
+from kbert.backend.ops import fused_embedding_sum, reverse_table_padding
 from kbert.layers.dropout import Dropout
-from kbert.layers.fused import fused_embedding_sum
 from kbert.layers.layer_norm import LayerNorm
 from kbert.utils import checks
 
@@ -43,11 +43,7 @@ class TokenEmbedding(keras.layers.Embedding):
         if not reverse:
             return super().call(inputs)
         table = ops.cast(self.embeddings, self.compute_dtype)
-        pad = (
-            -self.input_dim % self.REVERSE_PAD
-            if self.REVERSE_PAD > 1 and keras.backend.backend() == "jax"
-            else 0
-        )
+        pad = reverse_table_padding(self.input_dim, self.REVERSE_PAD)
         if pad:
             # A product whose output rows are not a multiple of 8 elements
             # (V = 30522) leaves every operand of the forward and both

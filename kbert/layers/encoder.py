@@ -5,12 +5,12 @@ Shapes: B batch, T tokens, H hidden, I intermediate (feed-forward) width.
 
 import keras
 
+from kbert.backend.ops import sublayer_call
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
-from kbert.layers.fused import sublayer_call
 from kbert.layers.layer_norm import LayerNorm
 
 

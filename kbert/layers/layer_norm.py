@@ -1,10 +1,10 @@
 """`LayerNorm`: keras.layers.LayerNormalization over the last axis, with the
-fused JAX path of `kbert.layers.fused.fused_layer_norm`."""
+fused JAX path of `kbert.backend.ops.fused_layer_norm`."""
 
 import keras
 from keras import ops
 
-from kbert.layers.fused import fused_layer_norm
+from kbert.backend.ops import fused_layer_norm
 
 
 @keras.saving.register_keras_serializable(package="kbert")

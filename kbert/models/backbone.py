@@ -7,14 +7,16 @@ import keras
 from keras import ops
 
 from kbert.layers import BertEmbeddings, Pooler, TransformerEncoderBlock, canonical_activation
-from kbert.models.preset_mixin import PresetMixin
+from kbert.models import preset_io
+from kbert.presets.architectures import architecture_config
+from kbert.presets.io import save_backbone
 from kbert.utils import checks
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class BertBackbone(PresetMixin, keras.Model):
+class BertBackbone(preset_io.PresetMixin, keras.Model):
     """The BERT encoder: embeddings, L post-LN Transformer blocks, pooler.
 
     Inputs are a dict of int tensors `token_ids`, `segment_ids` and
@@ -218,13 +220,9 @@ class BertBackbone(PresetMixin, keras.Model):
 
     @classmethod
     def load_from_preset_dir(cls, directory, load_weights=True, **overrides):
-        from kbert.presets.io import load_backbone
-
-        return load_backbone(directory, load_weights=load_weights, **overrides)
+        return preset_io.load_backbone(cls, directory, load_weights=load_weights, **overrides)
 
     def write_preset_files(self, directory):
-        from kbert.presets.io import save_backbone
-
         return save_backbone(directory, self)
 
     @classmethod
@@ -235,6 +233,4 @@ class BertBackbone(PresetMixin, keras.Model):
         >>> BertBackbone.from_architecture("bert_tiny", vocabulary_size=100).num_layers
         2
         """
-        from kbert.presets.architectures import architecture_config
-
         return cls(**{**architecture_config(name), **overrides})

@@ -29,7 +29,8 @@ class BertClassifier(Task):
             backbone needs `adapter_size`).
 
     Example:
-    >>> model = BertClassifier(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_classes=3)
+    >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
+    >>> model = BertClassifier(backbone, num_classes=3)
     >>> model.compile()
     """
 

@@ -56,7 +56,8 @@ class BertMultipleChoice(Task):
         freeze_backbone: False, True or "adapters" (see `BertClassifier`).
 
     Example:
-    >>> mc = BertMultipleChoice(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_choices=4)
+    >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
+    >>> mc = BertMultipleChoice(backbone, num_choices=4)
     """
 
     bucket_raw_text = True  # one output per example: predict raw text in length buckets

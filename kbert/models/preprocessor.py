@@ -6,6 +6,7 @@ import os
 import keras
 import numpy as np
 
+from kbert.convert import keras_hub
 from kbert.tokenizers import BertTokenizer
 
 PREPROCESSOR_FILE = "preprocessor.json"
@@ -25,7 +26,8 @@ class BertPreprocessor(keras.layers.Layer):
         truncate: str. only "longest_first" (the original BERT rule).
 
     Example:
-    >>> pre = BertPreprocessor(BertTokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hi"]), 8)
+    >>> tokenizer = BertTokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hi"])
+    >>> pre = BertPreprocessor(tokenizer, 8)
     >>> pre(["hi"])["token_ids"].tolist()
     [[2, 5, 3, 0, 0, 0, 0, 0]]
     """
@@ -43,8 +45,8 @@ class BertPreprocessor(keras.layers.Layer):
             ):
                 raise ValueError(
                     "preprocessor config must embed its vocabulary as a list of token strings, got "
-                    f"{type(vocabulary).__name__} {str(vocabulary)[:80]!r}; refusing to read a vocabulary "
-                    "file named by a saved artifact"
+                    f"{type(vocabulary).__name__} {str(vocabulary)[:80]!r}; refusing to read a "
+                    "vocabulary file named by a saved artifact"
                 )
             tokenizer = BertTokenizer(**tokenizer)
         if truncate != "longest_first":
@@ -116,8 +118,6 @@ class BertPreprocessor(keras.layers.Layer):
     def from_directory(cls, directory, default_sequence_length=128):
         """From tokenizer files in a preset, Hugging Face or keras-hub directory, or None."""
         if not os.path.isfile(os.path.join(directory, "vocab.txt")):
-            from kbert.convert import keras_hub
-
             tokenizer = (
                 keras_hub.load_tokenizer(directory)
                 if keras_hub.is_keras_hub_dir(directory)

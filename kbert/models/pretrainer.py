@@ -8,6 +8,7 @@ Targets: mask_ids, mask_weights (B, P), next_sentence_labels (B,).
 import keras
 from keras import ops
 
+from kbert.backend.tensorflow import replica_sum
 from kbert.layers import MaskedLMHead, NextSentenceHead
 from kbert.models.task import Task
 
@@ -90,10 +91,9 @@ class _PreTrainingTask(Task):
         missing = [k for k in self._target_names() if k not in (y or {})]
         if missing:
             raise ValueError(
-                f"{type(self).__name__} needs targets {list(self._target_names())}; missing {missing}"
+                f"{type(self).__name__} needs targets {list(self._target_names())}; "
+                f"missing {missing}"
             )
-        from kbert.training.distribution import replica_sum
-
         weights = ops.cast(y["mask_weights"], "float32")
         # Normalised by global totals, so that replicas' gradients sum to the
         # single-device gradient of the same global batch.

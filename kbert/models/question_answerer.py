@@ -161,8 +161,8 @@ class BertQuestionAnswerer(Task):
             room = length - len(query) - 3
             if room < 1:
                 raise ValueError(
-                    f"sequence_length={length} leaves no room for the context after a {len(query)}-token "
-                    f"question; raise sequence_length or lower max_query_length"
+                    f"sequence_length={length} leaves no room for the context after a "
+                    f"{len(query)}-token question; raise sequence_length or lower max_query_length"
                 )
             ids, starts, ends = tokenizer.tokenize_with_offsets(context)
             span = self._answer_tokens(

@@ -98,8 +98,9 @@ class BertTextEmbedder(Task):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         if layer_mix and (pooling == "pooled" or not backbone.output_hidden_states):
             raise ValueError(
-                "layer_mix needs token pooling (cls/mean/max) and a backbone with output_hidden_states=True "
-                "(e.g. BertTextEmbedder.from_preset(preset, layer_mix=True, output_hidden_states=True))"
+                "layer_mix needs token pooling (cls/mean/max) and a backbone with "
+                "output_hidden_states=True (e.g. BertTextEmbedder.from_preset(preset, "
+                "layer_mix=True, output_hidden_states=True))"
             )
         inputs = self.backbone_inputs(backbone)
         features = backbone(inputs)

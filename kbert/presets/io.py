@@ -16,19 +16,39 @@ import json
 import os
 
 import keras
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 
+from kbert import backend
+from kbert.layers.adapters import ADAPTER_LAYER_NAMES
 from kbert.presets.registry import PRESETS, download_preset
-from kbert.presets.weights import assign_weights, weights_dict
+from kbert.presets.weights import weights_dict
+from kbert.utils.files import PresetError, preset_file
+from kbert.version import __version__
+
+__all__ = [
+    "PresetError",
+    "preset_file",
+    "read_json",
+    "write_json",
+    "save_weights_file",
+    "load_weights_file",
+    "verify_metadata",
+    "write_metadata",
+    "save_backbone",
+    "save_model_to_preset",
+    "is_kbert_preset",
+    "read_backbone_preset",
+    "new_adapters",
+    "load_model_from_preset",
+    "resolve_preset",
+]
 
 FORMAT = "kbert-preset"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 METADATA_FILE = "metadata.json"
-
-
-class PresetError(ValueError):
-    """A preset directory that is missing, malformed, corrupt or of another model."""
 
 
 def resolve_preset(preset):
@@ -43,24 +63,6 @@ def resolve_preset(preset):
     if os.sep in preset or preset.startswith("."):
         raise PresetError(f"preset directory {preset!r} does not exist")
     return download_preset(preset)  # raises the unknown-name error
-
-
-def preset_file(directory, name):
-    """Path of file `name` in `directory`, refusing anything that leaves it."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or os.path.basename(name) != name
-        or name in (".", "..")
-    ):
-        raise PresetError(
-            f"preset names an unsafe file {name!r}: only plain file names are allowed"
-        )
-    path = os.path.join(directory, name)
-    real_dir = os.path.realpath(directory)
-    if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != real_dir:
-        raise PresetError(f"preset file {name!r} is a link or leaves the preset directory")
-    return path
 
 
 def _sha256(path):
@@ -91,8 +93,6 @@ def write_json(directory, name, obj):
 def save_weights_file(directory, name, layer, exclude=(), exact=False):
     """Saves `layer`'s weights, leaving out paths in `exclude` (prefixes, or
     exact paths when `exact`)."""
-    from safetensors.numpy import save_file
-
     excluded = set(exclude) if exact else None
     weights = {
         k: v
@@ -103,9 +103,6 @@ def save_weights_file(directory, name, layer, exclude=(), exact=False):
 
 
 def load_weights_file(directory, name):
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     path = preset_file(directory, name)
     if not os.path.isfile(path):
         raise PresetError(f"{directory!r} has no weights file {name}")
@@ -134,15 +131,13 @@ def verify_metadata(directory):
 
 
 def write_metadata(directory, model, files):
-    from kbert.version import __version__
-
     write_json(
         directory,
         METADATA_FILE,
         {
             "kbert_version": __version__,
             "keras_version": keras.__version__,
-            "saved_with_backend": keras.backend.backend(),
+            "saved_with_backend": backend.name(),
             "class_name": type(model).__name__,
             "files": {name: _sha256(os.path.join(directory, name)) for name in sorted(files)},
         },
@@ -174,21 +169,9 @@ def is_kbert_preset(directory):
     return os.path.isfile(os.path.join(directory, METADATA_FILE))
 
 
-def load_backbone(directory, load_weights=True, **overrides):
-    """BertBackbone from a kbert preset, a Hugging Face BERT directory, an
-    original TF checkpoint directory or a keras-hub BERT preset."""
-    from kbert.convert import huggingface, keras_hub
-    from kbert.models.backbone import BertBackbone
-
-    if keras_hub.is_keras_hub_dir(directory):
-        return keras_hub.load_backbone(directory, load_weights=load_weights, **overrides)
-    if huggingface.is_huggingface_dir(directory):
-        return huggingface.load_backbone(directory, load_weights=load_weights, **overrides)
-    if not is_kbert_preset(directory):
-        raise PresetError(
-            f"{directory!r} is not a preset: it has neither a kbert {METADATA_FILE} nor "
-            "a Hugging Face config.json with model_type 'bert'"
-        )
+def read_backbone_preset(directory, load_weights=True):
+    """(backbone config, {path: array} or None) from a kbert preset
+    directory, after checking every file against its checksum."""
     verify_metadata(directory)
     config = read_json(directory, CONFIG_FILE)
     if config.get("format") != FORMAT or config.get("class_name") != "BertBackbone":
@@ -198,25 +181,12 @@ def load_backbone(directory, load_weights=True, **overrides):
         )
     if not isinstance(config.get("config"), dict):
         raise PresetError(f"{directory}/{CONFIG_FILE} has no 'config' object")
-    backbone_config = {**config["config"], **overrides}
-    try:
-        backbone = BertBackbone.from_config(backbone_config)
-    except TypeError as e:
-        raise PresetError(f"{directory}/{CONFIG_FILE} has an invalid backbone config: {e}") from e
-    if load_weights:
-        assign_weights(
-            backbone,
-            load_weights_file(directory, WEIGHTS_FILE),
-            source=f"weights in {directory}/{WEIGHTS_FILE}",
-            allow_missing=new_adapters(config["config"], overrides),
-        )
-    return backbone
+    weights = load_weights_file(directory, WEIGHTS_FILE) if load_weights else None
+    return config["config"], weights
 
 
 def new_adapters(saved_config, overrides):
     """Adapter weights may be absent when adapters are added on load."""
-    from kbert.layers.adapters import ADAPTER_LAYER_NAMES
-
     if overrides.get("adapter_size") and not saved_config.get("adapter_size"):
         return tuple(f"{name}/" for name in ADAPTER_LAYER_NAMES)
     return ()

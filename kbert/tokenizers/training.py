@@ -7,6 +7,7 @@ vocabulary fits exactly the words the tokenizer will look up.
 import os
 
 from kbert.tokenizers.vocabulary import SPECIAL_TOKENS, save_vocabulary
+from kbert.tokenizers.wordpiece import BertTokenizer
 
 
 def _texts(files_or_texts):
@@ -52,8 +53,6 @@ def train_wordpiece_vocabulary(
     ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']
     """
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from kbert.tokenizers.wordpiece import BertTokenizer
 
     if vocabulary_size <= len(special_tokens):
         raise ValueError(

@@ -24,6 +24,7 @@ from kbert.tokenizers.vocabulary import (
     load_vocabulary,
     save_vocabulary,
 )
+from kbert.utils.files import preset_file
 
 _CACHE_SIZE = 1 << 20
 VOCAB_FILE = "vocab.txt"
@@ -65,7 +66,8 @@ class BertTokenizer:
             token names, which must be in the vocabulary.
 
     Example:
-    >>> tok = BertTokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "!", "wor", "##ld"])
+    >>> vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "!", "wor", "##ld"]
+    >>> tok = BertTokenizer(vocabulary)
     >>> tok.tokenize("Hello world!")
     [5, 7, 8, 6]
     """
@@ -140,8 +142,6 @@ class BertTokenizer:
     @classmethod
     def load(cls, directory):
         """From a kbert preset or Hugging Face directory (vocab.txt + config)."""
-        from kbert.presets.io import preset_file
-
         vocab = preset_file(directory, VOCAB_FILE)
         if not os.path.isfile(vocab):
             raise ValueError(f"{directory!r} has no {VOCAB_FILE}")
@@ -292,7 +292,7 @@ class BertTokenizer:
         if self._tf is None:
             import tensorflow as tf
 
-            from kbert.tokenizers.tf_ops import TFWordpiece
+            from kbert.tokenizers.tf_ops import TFWordpiece  # imports TensorFlow
 
             # Built eagerly, so that its tables outlive the first tf.data graph.
             with tf.init_scope():
@@ -306,7 +306,7 @@ class BertTokenizer:
 
     def tf_pack(self, first, second=None, sequence_length=128):
         """In-graph `pack`: ragged ids -> dict of int32 (B, T) tensors."""
-        from kbert.tokenizers.tf_ops import pack
+        from kbert.tokenizers.tf_ops import pack  # imports TensorFlow
 
         return pack(first, second, sequence_length, self.cls_id, self.sep_id, self.pad_id)
 

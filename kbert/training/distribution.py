@@ -1,12 +1,14 @@
 """One flag picks the distribution engine.
 
-| engine | backend | what it does |
-|---|---|---|
-| none | any | one device |
-| jax-data-parallel | jax | `keras.distribution.DataParallel` over all local devices; with `--num-processes` > 1 (or JAX's cluster env) `jax.distributed` is initialised first, for multi-host |
-| tf-mirrored | tensorflow | `tf.distribute.MirroredStrategy` (all local GPUs, or given devices) |
-| tf-multi-worker | tensorflow | `tf.distribute.MultiWorkerMirroredStrategy` from `TF_CONFIG` |
-| tf-tpu | tensorflow | `tf.distribute.TPUStrategy` |
+- `none` (any backend): one device.
+- `jax-data-parallel` (jax): `keras.distribution.DataParallel` over all
+  local devices; with `--num-processes` > 1 (or JAX's cluster environment)
+  `jax.distributed` is initialised first, for several hosts.
+- `tf-mirrored` (tensorflow): `tf.distribute.MirroredStrategy` (all local
+  GPUs, or the given devices).
+- `tf-multi-worker` (tensorflow): `tf.distribute.MultiWorkerMirroredStrategy`
+  from `TF_CONFIG`.
+- `tf-tpu` (tensorflow): `tf.distribute.TPUStrategy`.
 
 PyTorch: single device only. Keras 3 has no data-parallel engine for the
 torch backend; use JAX or TensorFlow for several devices.
@@ -17,13 +19,18 @@ import os
 
 import keras
 
+from kbert import backend as kbert_backend
+from kbert.backend.tensorflow import replica_sum
+
+__all__ = ["ENGINES", "distribution_scope", "replica_sum"]
+
 ENGINES = ("none", "jax-data-parallel", "tf-mirrored", "tf-multi-worker", "tf-tpu")
 
 
 def distribution_scope(engine="none", devices=None, tpu=None):
     """Sets up `engine`; returns (context manager to build and compile in,
     number of replicas). Build and compile the model inside the context."""
-    backend = keras.backend.backend()
+    backend = kbert_backend.name()
     if engine not in ENGINES:
         raise ValueError(f"unknown distribution engine {engine!r}; use one of {ENGINES}")
     needs = {
@@ -59,23 +66,3 @@ def distribution_scope(engine="none", devices=None, tpu=None):
         tf.tpu.experimental.initialize_tpu_system(resolver)
         strategy = tf.distribute.TPUStrategy(resolver)
     return strategy.scope(), strategy.num_replicas_in_sync
-
-
-def replica_sum(value):
-    """(sum of `value` over the replicas in sync, number of replicas).
-
-    Under a TensorFlow strategy each replica computes its loss on its slice
-    of the global batch and the gradients are summed; normalising by global
-    totals (not per-replica ones) makes distributed training equal to
-    single-device training on the same global batch. JAX data parallelism
-    computes on the global batch already, so there it is the identity.
-    """
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            return context.all_reduce(
-                tf.distribute.ReduceOp.SUM, value
-            ), context.num_replicas_in_sync
-    return value, 1

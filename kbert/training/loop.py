@@ -59,7 +59,8 @@ def restore_checkpoint(model, path):
                 value = arrays[f"{prefix}_{i:05d}"]
                 if tuple(value.shape) != tuple(variable.shape):
                     raise ValueError(
-                        f"checkpoint {path}: {variable.path} has shape {value.shape}, expected {variable.shape}"
+                        f"checkpoint {path}: {variable.path} has shape {value.shape}, "
+                        f"expected {variable.shape}"
                     )
                 variable.assign(value)
         model._kbert_pending_rng = {k: arrays[k] for k in arrays.files if k.startswith("rng_")}
@@ -96,7 +97,8 @@ def fit_resumable(
     """
     if total_steps % steps_per_checkpoint:
         raise ValueError(
-            f"total_steps={total_steps} must be a multiple of steps_per_checkpoint={steps_per_checkpoint}"
+            f"total_steps={total_steps} must be a multiple of "
+            f"steps_per_checkpoint={steps_per_checkpoint}"
         )
     start = 0
     checkpoint = latest_checkpoint(checkpoint_dir)
@@ -132,8 +134,8 @@ def fit_resumable(
     if saver.failed_step is not None:
         raise NonFiniteLossError(
             f"loss became NaN/inf at step {saver.failed_step}; training stopped. The last good "
-            f"checkpoint is {latest_checkpoint(checkpoint_dir)} (lower the learning rate, check the "
-            "data, or use float32 / loss scaling)"
+            f"checkpoint is {latest_checkpoint(checkpoint_dir)} (lower the learning rate, check "
+            "the data, or use float32 / loss scaling)"
         )
     if saver.stopped_at is not None:
         print(

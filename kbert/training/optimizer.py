@@ -5,6 +5,13 @@ LAMB for large batches."""
 import keras
 from keras import ops
 
+from kbert import backend
+from kbert.backend import keras_internals
+from kbert.backend import tensorflow as tf_backend
+
+if backend.is_torch():
+    from kbert.backend import torch_ops, torch_step
+
 NO_DECAY = ("gamma", "beta", "bias")
 
 
@@ -48,100 +55,63 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
-class _ClipAfterAllReduce:
-    """Global-norm clipping of the *summed* gradient under a TF strategy.
-
-    Keras clips each replica's gradients before they are summed across
-    replicas, so with several replicas the clipped update differs from
-    single-device training. Here the gradients are all-reduced first,
-    clipped, and divided by the replica count (the optimizer's own sum
-    then restores the clipped global gradient).
-    """
-
-    def _clip_gradients(self, grads):
-        if not self.global_clipnorm:
-            return super()._clip_gradients(grads)
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            context = tf.distribute.get_replica_context()
-            if context is not None and context.num_replicas_in_sync > 1:
-                replicas = context.num_replicas_in_sync
-                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
-                return [g / replicas for g in _clip_by_global_norm(summed, self.global_clipnorm)]
-        return _clip_by_global_norm(grads, self.global_clipnorm)
-
-
-def _clip_by_global_norm(grads, clip):
+def clip_by_global_norm(grads, clip):
     """g * clip / max(norm, clip), NaN for a non-finite norm (as Keras).
 
     Keras' own version turns Python constants into tensors, a host-to-device
     copy each that synchronises the torch backend's stream every step;
-    here constants only meet tensors through arithmetic operators.
+    here constants only meet tensors through arithmetic operators. On torch
+    the norms and the scaling are one multi-tensor kernel each.
     """
     present = [g for g in grads if g is not None]
     multi_tensor = (
-        keras.backend.backend() == "torch"
-        and bool(present)
-        and all(g.dtype == present[0].dtype for g in present)
+        backend.is_torch() and bool(present) and all(g.dtype == present[0].dtype for g in present)
     )
     if multi_tensor:
-        # torch: one multi-tensor kernel for all the norms and one for the
-        # scaling, where the per-gradient form launches ~4 kernels per
-        # variable (800 for BERT-base, a third of the step's launches).
-        import torch
-
-        norms = torch._foreach_norm(present, dtype=torch.float32)
-        norm = torch.linalg.vector_norm(torch.stack(norms))
+        norm = torch_ops.global_norm(present)
     else:
         norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
     scale = clip / (ops.relu(norm - clip) + clip)  # = clip / max(norm, clip)
     scale = scale + (norm - norm)  # inf - inf and NaN - NaN are NaN: poison a non-finite norm
     if multi_tensor:
-        scaled = iter(torch._foreach_mul(present, scale.to(present[0].dtype)))
+        scaled = iter(torch_ops.scale_all(present, scale))
         return [None if g is None else next(scaled) for g in grads]
     return [None if g is None else g * ops.cast(scale, g.dtype) for g in grads]
 
 
-def _adamw_base():
-    """keras.optimizers.AdamW as the backend runs it fastest.
+class ReplicaExactClipping(keras_internals.OptimizerShims):
+    """Global-norm clipping of the global (replica-summed) gradient, without
+    host-device synchronisation (see `clip_by_global_norm` and
+    `kbert.backend.tensorflow.clip_summed`)."""
 
-    On torch, Keras maps `keras.optimizers.AdamW` itself to a multi-tensor
-    implementation (`torch._foreach_*`, a few kernels for all variables), but
-    only for that exact class: a subclass falls back to the per-variable
-    update (about 20 kernels and several host syncs per variable, which made
-    a BERT-base step CPU-bound). So the subclass derives from the torch one.
-    """
-    if keras.backend.backend() == "torch":
-        from keras.src.backend.torch.optimizers import torch_adamw
+    def clip_gradients(self, grads):
+        def clip(g):
+            return clip_by_global_norm(g, self.global_clipnorm)
 
-        return torch_adamw.AdamW
-    return keras.optimizers.AdamW
+        summed = tf_backend.clip_summed(grads, clip)
+        return summed if summed is not None else clip(grads)
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class AdamW(_ClipAfterAllReduce, _adamw_base()):
+class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
     """keras.optimizers.AdamW with replica-exact global-norm clipping; on
-    torch, a step with no host-device synchronisation
-    (`kbert.training.torch_step`)."""
+    torch, an update with no host-device synchronisation (step count and
+    bias corrections on the device), which a CUDA graph can capture."""
+
+    updates_on_device = backend.is_torch()
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if keras.backend.backend() == "torch":
-            from kbert.training.torch_step import count_in_place
+        if backend.is_torch():
+            torch_step.count_in_place(keras_internals.iterations_variable(self))
 
-            count_in_place(self._iterations)
-
-    def _parallel_update_step(self, grads, variables, learning_rate):
-        # Only the torch base has this method (Keras calls it from the
-        # torch `_backend_update_step`).
-        from kbert.training.torch_step import adam_update
-
-        adam_update(self, grads, variables, learning_rate)
+    def parallel_update(self, grads, variables, learning_rate):
+        """The multi-tensor update Keras' torch optimizer calls."""
+        torch_step.adam_update(self, grads, variables, learning_rate)
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class Lamb(_ClipAfterAllReduce, keras.optimizers.Lamb):
+class Lamb(ReplicaExactClipping, keras.optimizers.Lamb):
     """keras.optimizers.Lamb with replica-exact global-norm clipping."""
 
 

@@ -9,12 +9,14 @@ calls come from `fit`/`predict`, whose inputs are checked separately.
 import keras
 import numpy as np
 
+from kbert import backend as kbert_backend
+
 
 def is_concrete(x):
     """True if `x` holds values we can read without tracing or graph mode."""
     if isinstance(x, np.ndarray):
         return True
-    backend = keras.backend.backend()
+    backend = kbert_backend.name()
     if backend == "jax":
         import jax
 

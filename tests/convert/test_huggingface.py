@@ -88,9 +88,7 @@ def test_pickle_checkpoint_needs_opt_in(tmp_path):
     os.remove(directory / "model.safetensors")
     with pytest.raises(PresetError, match="allow_pickle=True"):
         kbert.BertBackbone.from_preset(directory)
-    from kbert.convert import huggingface
-
-    backbone = huggingface.load_backbone(str(directory), allow_pickle=True)
+    backbone = kbert.BertBackbone.from_preset(directory, allow_pickle=True)
     x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
     ref = _hf_forward(hf, x).last_hidden_state.numpy()
     y = harness.to_numpy(backbone(x))["sequence_output"]

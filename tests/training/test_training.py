@@ -358,7 +358,7 @@ def test_torch_fit_makes_batches_on_the_host():
     blocking. A "meta" default device stands in for the GPU here."""
     from keras.src.backend.torch import trainer
 
-    from kbert.training.torch_step import host_batches
+    from kbert.backend.torch_step import host_batches
     from tests.models.test_pretrainer import batch
 
     original = trainer.TorchEpochIterator
@@ -526,7 +526,7 @@ def test_device_constants_equal_keras_conversions():
     import torch
     from keras.src.backend.torch import core
 
-    from kbert.training.torch_step import device_constant
+    from kbert.backend.torch_step import device_constant
 
     for value in (3, 2.5, True, (4,), (2, 3), [1.0, 2.5], 1e-7):
         for dtype in (None, "float32", "int32"):
@@ -545,7 +545,7 @@ def test_cuda_graph_auto_skips_steps_with_user_code():
     """With cuda_graph="auto", a step that runs user code (a loss or metric
     function, an overridden compute_loss) stays eager: a replay would not
     rerun its Python."""
-    from kbert.training.torch_step import user_code_in_step
+    from kbert.backend.torch_step import user_code_in_step
 
     def backbone():
         return kbert.BertBackbone(**TINY)

@@ -1,11 +1,12 @@
-"""The backend-specific paths of kbert.layers.fused compute what the generic
+"""The backend-specific paths of kbert.backend.ops compute what the generic
 Keras layers compute."""
 
 import keras
 import numpy as np
 import pytest
 
-from kbert.layers import Dense, Dropout, LayerNorm, fused
+from kbert.backend import ops as fused
+from kbert.layers import Dense, Dropout, LayerNorm
 
 
 def test_dense_equals_keras_dense_with_and_without_bias_and_lora():
@@ -109,9 +110,11 @@ def test_dropout_bits_are_uniform_and_uncorrelated():
     uncorrelated between neighbouring elements, neighbouring rows and
     successive seeds (correlations of 0.1-masks over 1M elements: |r| is
     about 0.001 by chance; a flaw such as a shifted copy gives 1)."""
+    from kbert.backend import jax_ops
+
     shape = (256, 4096)
     seeds = [np.array([s, 3 * s + 1], "uint32") for s in range(4)]
-    bits = [np.asarray(fused.dropout_bits(shape, s)) for s in seeds]
+    bits = [np.asarray(jax_ops.dropout_bits(shape, s)) for s in seeds]
     for b in bits:
         counts = np.bincount((b >> 28).ravel(), minlength=16)  # top 4 bits: 16 equal cells
         chi2 = ((counts - b.size / 16) ** 2 / (b.size / 16)).sum()
@@ -163,8 +166,10 @@ def test_key_reordering_makes_any_mask_exact_for_key_lengths():
         mask = jnp.logical_or(keep, ~jnp.any(keep, axis=1, keepdims=True))[:, None, None, :]
         return jax.nn.dot_product_attention(q, k, v, scale=0.3, mask=mask)
 
+    from kbert.backend import jax_ops
+
     def reordered(q, k, v):
-        return fused._jax_cudnn(q, k, v, keep, 0.3, implementation="xla")
+        return jax_ops.cudnn_attention(q, k, v, keep, 0.3, implementation="xla")
 
     np.testing.assert_allclose(reordered(q, k, v), reference(q, k, v), atol=1e-6)
     loss = lambda f: lambda *a: (f(*a) ** 2).sum()  # noqa: E731
@@ -266,7 +271,7 @@ def test_embedding_sum_values():
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the custom gradient is JAX's")
 def test_embedding_sum_gradient_is_autodiff_of_the_plain_sum():
-    """The JAX path gathers both tables (no broadcast, see fused.py) and
+    """The JAX path gathers both tables (no broadcast, see kbert.backend.ops) and
     replaces the scatter-add gradient with a batch sum and a one-hot product."""
     import jax
 
@@ -407,15 +412,15 @@ DATA_PARALLEL_ATTENTION = """
 import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax, keras, numpy as np
-from kbert.layers import fused
+from kbert.backend import jax_ops
 rng = np.random.default_rng(0)
 q, k, v = (rng.normal(size=(4, 6, 2, 8)).astype("float32") for _ in range(3))
 keep = (np.arange(6)[None] < np.array([[6], [3], [1], [5]])).astype(bool)
 keep[3] = keep[3][::-1]  # a left-padded row: the reordered-keys case
-run = jax.jit(lambda *a: fused._jax_cudnn(*a, 0.3, implementation="xla"))
+run = jax.jit(lambda *a: jax_ops.cudnn_attention(*a, 0.3, implementation="xla"))
 single = np.asarray(run(q, k, v, keep))
 keras.distribution.set_distribution(keras.distribution.DataParallel(devices=keras.distribution.list_devices("cpu")))
-run = jax.jit(lambda *a: fused._jax_cudnn(*a, 0.3, implementation="xla"))
+run = jax.jit(lambda *a: jax_ops.cudnn_attention(*a, 0.3, implementation="xla"))
 sharded = run(q, k, v, keep)
 assert len(sharded.sharding.device_set) == 2, sharded.sharding
 np.testing.assert_allclose(np.asarray(sharded), single, atol=1e-6)

@@ -25,28 +25,23 @@ inside the step are made on the GPU by fill kernels (`constants_on_device`).
 
 On a GPU, `Task.fit` replays this step as a CUDA graph (`GraphedTrainStep`):
 possible only because the step has no synchronisation and updates its state
-in place. H100, BERT-base 128 x 256: 2,495 -> 3,275 sequences/s; 512 x 32:
-442 -> 691 (`benchmarks/results/gpu_pretrain_h100_s6.json`, call S6-1).
-
-Before the graph (session 5), with the other torch changes of that session
-(multi-tensor clipping, `kbert.layers.fused.sublayer_call`, the MLM loss on
-2-D rows), the eager BERT-base 128 x 256 step went from 2,037 to 2,787
-sequences/s and the 512 x 32 step from 204 to 465-482
-(`benchmarks/results/gpu_pretrain_h100_s5.json`).
+in place. Figures: `benchmarks/RESULTS.md`.
 """
 
 import contextlib
+import types
 import warnings
 
 import keras
+import numpy as np
+import torch
+
+from kbert.backend import keras_internals
 
 
 def _host_tensor(value):
     """A host array as a CPU tensor (integer and float32 arrays; float64 is
     left to Keras, which converts it to floatx), or None if it is not one."""
-    import numpy as np
-    import torch
-
     if isinstance(value, np.ndarray) and (value.dtype.kind in "biu" or value.dtype == np.float32):
         return torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, torch.Tensor) and value.device.type == "cpu":
@@ -69,10 +64,7 @@ def _device_copy(value, device):
 def to_device(data):
     """Every host array or tensor in `data` on Keras' current torch device
     (non-blocking copies from pinned memory to a GPU)."""
-    import torch
-    from keras.src.backend.torch.core import get_device
-
-    device = torch.device(get_device())
+    device = torch.device(keras_internals.torch_device())
     return keras.tree.map_structure(lambda v: _device_copy(v, device), data)
 
 
@@ -82,8 +74,6 @@ def device_constant(convert, value, dtype, device):
     kernels (the number is a kernel argument) instead of a host-to-device
     copy: same values and dtype, no stream synchronisation, and capturable
     in a CUDA graph."""
-    import torch
-
     with keras.device("cpu"):
         host = convert(value, dtype=dtype)
     if host.ndim == 0:
@@ -102,49 +92,27 @@ def _is_constant(value):
     )
 
 
-_CONVERTERS = {}
-
-
 @contextlib.contextmanager
 def constants_on_device():
     """Within the block, Keras' torch backend makes the Python numbers it
     converts (Keras' loss reduction divides by the batch shape, `Mean`
     metrics count samples, ...) on the GPU with `device_constant` instead of
     copying them from pageable host memory, which waits for the stream."""
-    import sys
-
-    import torch
-    from keras.src.backend.torch import core
-
-    original = core.convert_to_tensor
-    device = torch.device(core.get_device())
+    device = torch.device(keras_internals.torch_device())
     if device.type != "cuda":
         yield
         return
 
-    def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
-        if _is_constant(x) and str(core.get_device()).startswith("cuda"):
-            return device_constant(original, x, dtype, device)
-        return original(x, dtype=dtype, sparse=sparse, ragged=ragged)
+    def factory(original):
+        def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
+            if _is_constant(x) and str(keras_internals.torch_device()).startswith("cuda"):
+                return device_constant(original, x, dtype, device)
+            return original(x, dtype=dtype, sparse=sparse, ragged=ragged)
 
-    # every torch backend module that imported the function by name (found
-    # once: a scan of sys.modules costs ~0.4 ms, a step's worth of kernels)
-    if _CONVERTERS.get("original") is not original:
-        _CONVERTERS["original"] = original
-        _CONVERTERS["modules"] = [
-            m
-            for name, m in list(sys.modules.items())
-            if name.startswith("keras.src.backend.torch")
-            and getattr(m, "convert_to_tensor", None) is original
-        ]
-    modules = _CONVERTERS["modules"]
-    for module in modules:
-        module.convert_to_tensor = convert_to_tensor
-    try:
+        return convert_to_tensor
+
+    with keras_internals.torch_convert_to_tensor(factory):
         yield
-    finally:
-        for module in modules:
-            module.convert_to_tensor = original
 
 
 def train_step(model, data):
@@ -155,17 +123,15 @@ def train_step(model, data):
 
 
 def _train_step(model, data):
-    import torch
-
     data = to_device(data)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+    y_pred = model(x, training=True) if keras_internals.call_has_training_arg(model) else model(x)
     model.zero_grad()
-    loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+    loss = keras_internals.compute_loss(model, x, y, y_pred, sample_weight, training=True)
     first = next(i for i in keras.tree.flatten(x) if i is not None)
     # The loss tracker weights by batch size: a tensor made on the device,
     # where Keras passes a Python int (a synchronising copy).
-    model._loss_tracker.update_state(
+    keras_internals.loss_tracker(model).update_state(
         loss, sample_weight=torch.full((), first.shape[0], dtype=torch.float32, device=loss.device)
     )
     if model.optimizer is not None:
@@ -187,8 +153,6 @@ class InPlaceCounter:
     tensor first, a synchronising copy)."""
 
     def assign_add(self, value):
-        import torch
-
         if isinstance(value, int) and not isinstance(value, bool):
             with torch.no_grad():
                 self.value.add_(value)
@@ -196,30 +160,17 @@ class InPlaceCounter:
         return super().assign_add(value)
 
 
-_IN_PLACE_CLASSES = {}
-
-
 def count_in_place(variable):
     """Make `variable.assign_add(int)` an in-place device add (see
     `InPlaceCounter`); the variable, its value and its saving are unchanged."""
-    base = type(variable)
-    if not isinstance(variable, InPlaceCounter):
-        if base not in _IN_PLACE_CLASSES:  # one class per variable class, not per optimizer
-            _IN_PLACE_CLASSES[base] = type(f"InPlace{base.__name__}", (InPlaceCounter, base), {})
-        variable.__class__ = _IN_PLACE_CLASSES[base]
-    return variable
+    return keras_internals.add_variable_methods(variable, InPlaceCounter)
 
 
 def adam_update(optimizer, grads, variables, learning_rate):
     """Keras' multi-tensor torch Adam update (`torch._foreach_*`) with the
     step count and bias corrections computed on the device."""
-    import torch
-
-    # `_value` is the torch parameter itself: `.value` would add an autocast
-    # and symbolic-scope check per read (600 reads per BERT-base step), and
-    # no autocast scope is active in `apply`.
-    keras_variables = variables
-    variables = [v._value for v in variables]
+    m_list, v_list, v_hat_list = keras_internals.adam_slots(optimizer, variables)
+    variables = [keras_internals.torch_value(v) for v in variables]
     dtype = variables[0].dtype
     lr = keras.ops.cast(learning_rate, dtype)
     # Tensor-with-number arithmetic passes the number as a kernel argument:
@@ -228,16 +179,11 @@ def adam_update(optimizer, grads, variables, learning_rate):
     beta_1_power = torch.pow(optimizer.beta_1, local_step)
     beta_2_power = torch.pow(optimizer.beta_2, local_step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-
-    index = optimizer._get_variable_index
-    m_list = [optimizer._momentums[index(v)]._value for v in keras_variables]
-    v_list = [optimizer._velocities[index(v)]._value for v in keras_variables]
     torch._foreach_mul_(m_list, optimizer.beta_1)
     torch._foreach_add_(m_list, grads, alpha=1 - optimizer.beta_1)
     torch._foreach_mul_(v_list, optimizer.beta_2)
     torch._foreach_add_(v_list, torch._foreach_mul(grads, grads), alpha=1 - optimizer.beta_2)
-    if optimizer.amsgrad:
-        v_hat_list = [optimizer._velocity_hats[index(v)]._value for v in keras_variables]
+    if v_hat_list is not None:
         torch._foreach_maximum_(v_hat_list, v_list)
         v_list = v_hat_list
     torch._foreach_add_(
@@ -250,48 +196,16 @@ def adam_update(optimizer, grads, variables, learning_rate):
     )
 
 
-_END = object()
-
-
-def _host_iterator_class(base):
-    class HostBatchIterator(base):
-        """Keras' torch epoch iterator, with each batch made on the host."""
-
-        def _get_iterator(self):
-            loader = super()._get_iterator()
-
-            def batches():
-                with keras.device("cpu"):
-                    iterator = iter(loader)
-                while True:
-                    with keras.device("cpu"):
-                        batch = next(iterator, _END)
-                    if batch is _END:
-                        return
-                    yield batch
-
-            return batches()
-
-    return HostBatchIterator
-
-
 @contextlib.contextmanager
 def host_batches(force=False):
     """Within the block, Keras' torch `fit`/`evaluate` make their batches on
     the host (see the module docstring): only where the default device is a
     GPU, or with `force`."""
-    from keras.src.backend.torch import trainer
-    from keras.src.backend.torch.core import get_device
-
-    if not force and not str(get_device()).startswith("cuda"):
+    if not force and not str(keras_internals.torch_device()).startswith("cuda"):
         yield
         return
-    original = trainer.TorchEpochIterator
-    trainer.TorchEpochIterator = _host_iterator_class(original)
-    try:
+    with keras_internals.torch_batches_on_host():
         yield
-    finally:
-        trainer.TorchEpochIterator = original
 
 
 def _signature(data):
@@ -309,11 +223,9 @@ def _graph_safe_optimizer(optimizer):
     (a plain callable would be evaluated once, at capture), no gradient
     accumulation or EMA (Keras branches on device values there), no loss
     scaling (the same)."""
-    from kbert.training.optimizer import AdamW
-
-    lr = getattr(optimizer, "_learning_rate", None)
+    lr = keras_internals.learning_rate_object(optimizer)
     return (
-        isinstance(optimizer, AdamW)
+        getattr(optimizer, "updates_on_device", False)
         and isinstance(lr, (keras.Variable, keras.optimizers.schedules.LearningRateSchedule))
         and not optimizer.gradient_accumulation_steps
         and not optimizer.use_ema
@@ -324,8 +236,6 @@ def _defined_by_keras_or_kbert(obj):
     """A loss/metric spec made only of strings and of functions or objects
     whose class Keras or kbert defines: pure functions of their tensors, so
     a replay computes what a fresh call would."""
-    import types
-
     if obj is None or isinstance(obj, str):
         return True
     if isinstance(obj, dict):
@@ -340,14 +250,7 @@ def user_code_in_step(model):
     """Whether the training step runs code of the user's (a loss, a metric,
     an overridden `compute_loss`/`train_step`/`compute_metrics`): a graph
     would freeze whatever Python state such code reads at capture."""
-    compiled = []
-    if getattr(model, "_compile_loss", None) is not None:
-        compiled.append(model._compile_loss._user_loss)
-    if getattr(model, "_compile_metrics", None) is not None:
-        compiled += [
-            model._compile_metrics._user_metrics,
-            model._compile_metrics._user_weighted_metrics,
-        ]
+    compiled = keras_internals.compiled_losses_and_metrics(model)
     methods = [
         getattr(type(model), name)
         for name in ("compute_loss", "train_step", "compute_metrics", "call")
@@ -358,12 +261,9 @@ def user_code_in_step(model):
 def cuda_graph_supported(model, force=False):
     """Whether `model.fit` can replay its training step as a CUDA graph: a
     GPU, kbert's AdamW, and (unless `force`) no user code in the step."""
-    import torch
-    from keras.src.backend.torch.core import get_device
-
     return (
         torch.cuda.is_available()
-        and str(get_device()).startswith("cuda")
+        and str(keras_internals.torch_device()).startswith("cuda")
         and model.optimizer is not None
         and _graph_safe_optimizer(model.optimizer)
         and (force or not user_code_in_step(model))
@@ -395,8 +295,6 @@ class GraphedTrainStep:
     WARMUP = 2
 
     def __init__(self, model):
-        import torch
-
         self.model = model
         self.stream = torch.cuda.Stream()
         self.graph = None
@@ -408,8 +306,6 @@ class GraphedTrainStep:
         self.failed = None  # why capture failed, if it did
 
     def _eager_on_capture_stream(self, data):
-        import torch
-
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             logs = train_step(self.model, data)
@@ -417,8 +313,6 @@ class GraphedTrainStep:
         return logs
 
     def _capture(self, data):
-        import torch
-
         signature = _signature(data)
         static_inputs = to_device(data)
         leaves = [v for v in keras.tree.flatten(static_inputs) if v is not None]
@@ -447,8 +341,8 @@ class GraphedTrainStep:
         self.failed = why
         self.eager_steps += 1
         warnings.warn(
-            f"kbert: the training step could not be captured as a CUDA graph ({why}); this fit goes on "
-            "eagerly. compile(cuda_graph=False) skips the attempt."
+            f"kbert: the training step could not be captured as a CUDA graph ({why}); "
+            "this fit goes on eagerly. compile(cuda_graph=False) skips the attempt."
         )
         return train_step(self.model, data)
 
@@ -482,3 +376,46 @@ def _copy_into(static, value):
         host = _host_tensor(value)
         static.copy_(value if host is None else host.pin_memory(), non_blocking=True)
     return static
+
+
+def runs_our_step(model):
+    """Whether `fit` runs this module's step: eager torch (with jit_compile,
+    torch.compile traces Keras' own step)."""
+    return not model.jit_compile
+
+
+@contextlib.contextmanager
+def fit_context(model):
+    """What a task's `fit` runs inside on torch: batches made on the host,
+    and on a GPU the step replayed as a CUDA graph where it can (the graph
+    lives for one fit; `model.cuda_graph_stats` keeps its counts)."""
+    if not runs_our_step(model):
+        yield
+        return
+    graph = getattr(model, "cuda_graph", "auto")
+    if graph and cuda_graph_supported(model, force=graph is True):
+        model.graphed_step = GraphedTrainStep(model)
+    try:
+        with host_batches():
+            yield
+    finally:
+        graphed = getattr(model, "graphed_step", None)
+        if graphed is not None:
+            model.cuda_graph_stats = graphed.stats()
+            model.graphed_step = None
+
+
+def task_train_step(model, data):
+    """A task's training step on torch: the graph's replay inside a graphed
+    fit, else the sync-free eager step."""
+    graphed = getattr(model, "graphed_step", None)
+    if graphed is not None:
+        return graphed(data)
+    return train_step(model, data)
+
+
+def task_test_step(keras_test_step, *args, **kwargs):
+    """Keras' test step on host batches copied to the device, with its loss
+    and metric constants made on the device."""
+    with constants_on_device():
+        return keras_test_step(*to_device(args), **kwargs)

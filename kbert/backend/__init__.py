@@ -1,0 +1,33 @@
+"""Backend-specific code, in one place.
+
+Layers and models call the public `keras.ops` and the named helpers here;
+only this package asks which backend runs.
+
+- `ops`: the fused operations the layers use (dense, dropout, attention,
+  GELU, LayerNorm, embedding sum, sublayer calls), each with a `*_path()`
+  that reports which implementation runs.
+- `jax_ops`, `torch_ops`: their JAX and torch implementations.
+- `torch_step`: the torch backend's training step (no host-device
+  synchronisation; replayed as a CUDA graph on a GPU).
+- `tensorflow`: tf.distribute helpers (replica sums, multi-worker logs).
+- `keras_internals`: every use of private Keras API.
+"""
+
+import keras
+
+
+def name():
+    """The Keras backend: "jax", "torch" or "tensorflow"."""
+    return keras.backend.backend()
+
+
+def is_jax():
+    return keras.backend.backend() == "jax"
+
+
+def is_torch():
+    return keras.backend.backend() == "torch"
+
+
+def is_tensorflow():
+    return keras.backend.backend() == "tensorflow"

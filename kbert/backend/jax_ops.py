@@ -1,0 +1,207 @@
+"""JAX implementations of the fused operations in `kbert.backend.ops`.
+
+Why each exists (the generic form and what it cost) is documented in
+`kbert.backend.ops`; the measurements are in `benchmarks/RESULTS.md`.
+"""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from keras import ops
+
+
+def on_gpu():
+    """Whether JAX runs on a GPU under no distribution or data parallelism.
+
+    Under model parallelism XLA may shard the sliced Q/K/V apart (heads,
+    features), which jax's cuDNN partitioner rejects; the XLA path shards
+    freely. Data parallelism pins them to batch shards."""
+    distribution = keras.distribution.distribution()
+    if not (distribution is None or isinstance(distribution, keras.distribution.DataParallel)):
+        return False
+    return jax.devices()[0].platform == "gpu"
+
+
+def _mix32(x):
+    """lowbias32 (C. Wellons' hash-prospector): a bijective 32-bit mixer
+    with near-ideal avalanche (every input bit flips each output bit with
+    probability ~1/2)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_bits(shape, seed):
+    """(shape) uint32 bits for the (2,) uint32 `seed`: a keyed hash of each
+    element's flat index, mix(mix(index ^ k0) + k1), k0 and k1 mixed from
+    the seed words. Pure element-wise arithmetic, so XLA computes it inside
+    the fusion that uses the mask: no generator pass, no bits in memory."""
+    seed = jnp.asarray(seed, jnp.uint32)
+    k0 = _mix32(seed[0] ^ jnp.uint32(0x9E3779B9))
+    k1 = _mix32(seed[1] + jnp.uint32(0x85EBCA6B))
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):  # row-major flat index (mod 2^32)
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(
+            stride % 2**32
+        )
+        stride *= shape[axis]
+    return _mix32(_mix32(index ^ k0) + k1)
+
+
+def dropout(inputs, rate, seed_generator):
+    """Inverted dropout with the hashed keep mask (see `dropout_bits`)."""
+    if rate >= 1.0:  # 1/(1-rate) would put inf (and NaN gradients) in the dropped branch
+        return jnp.zeros_like(inputs)
+    scale = np.float32(1.0 / (1.0 - rate))
+    bits = dropout_bits(inputs.shape, seed_generator.next())  # next() advances the generator
+    # keep iff bits < (1 - rate) * 2^32, exact to 2^-32.
+    keep = bits < jnp.uint32(min(int(round((1.0 - rate) * 2**32)), 2**32 - 1))
+
+    def masked(x):  # the product in float32: 1 / 0.9 in bfloat16 is 1.109, a 0.16% bias
+        return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros_like(x))
+
+    @jax.custom_vjp
+    def apply(x):
+        return masked(x)
+
+    def forward(x):
+        return apply(x), None
+
+    def backward(_, grad):  # one fused select; autodiff left the scaling as a separate pass
+        return (masked(grad),)
+
+    apply.defvjp(forward, backward)
+    return apply(inputs)
+
+
+def cudnn_attention(query, key, value, keep, scale, implementation="cudnn"):
+    """cuDNN flash attention with padding given as per-row key counts.
+
+    query/key/value (B, T, N, D), keep (B, S) bool -> (B, T, N, D)."""
+    length = keep.shape[1]
+    lengths = jnp.sum(keep, axis=1, dtype=jnp.int32)  # (B,)
+    lengths = jnp.where(lengths == 0, length, lengths)  # all-padding rows: attend everywhere
+    # cuDNN takes padding as per-row key counts: the first `lengths` keys are
+    # real. Attention is invariant to the order of the keys, so moving the
+    # real keys (and their values) to the front makes any mask that form;
+    # for right-padded rows the order is the identity. A lax.cond between
+    # this and a masked XLA path cost more: autodiff makes each branch
+    # return the other's residuals, so every layer materialised zero
+    # (B, N, T, S) tensors, and the cond boundary forced layout copies.
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        # Data parallel: every operand sharded on the batch axis only, the
+        # layout jax's cuDNN partitioner accepts (XLA could otherwise pick
+        # another sharding for the sliced Q/K/V).
+        def pin(x):
+            return keras.distribution.distribute_tensor(x, distribution.get_data_layout(x.shape))
+
+        query, key, value, keep, lengths = (pin(x) for x in (query, key, value, keep, lengths))
+    order = jnp.argsort(~keep, axis=1, stable=True).astype(jnp.int32)  # (B, S), real keys first
+    inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
+    key, value = _permute_keys(key, order, inverse), _permute_keys(value, order, inverse)
+    return jax.nn.dot_product_attention(
+        query, key, value, scale=scale, key_value_seq_lengths=lengths, implementation=implementation
+    )
+
+
+def _permute_keys(x, order, inverse):
+    """x (B, S, N, D) reordered along S; its gradient is the inverse gather
+    (autodiff of a gather would scatter-add)."""
+
+    @jax.custom_vjp
+    def permute(x):
+        return jnp.take_along_axis(x, order[:, :, None, None], axis=1)
+
+    def forward(x):
+        return permute(x), None
+
+    def backward(_, grad):
+        return (jnp.take_along_axis(grad, inverse[:, :, None, None], axis=1),)
+
+    permute.defvjp(forward, backward)
+    return permute(x)
+
+
+def embedding_sum(tokens, positions, segments, segment_ids):
+    """tokens (B, T, H) + positions (T, H) + segments[segment_ids] with a
+    custom gradient that keeps XLA's row-major layout (see `kbert.backend.ops`)."""
+    segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    batch, length = segment_ids.shape
+    num_segments = segments.shape[0]
+
+    @jax.custom_vjp
+    def embed(positions, segments):
+        position_ids = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (batch, length))
+        return jnp.take(positions, position_ids, axis=0) + jnp.take(segments, segment_ids, axis=0)
+
+    def forward(positions, segments):
+        return embed(positions, segments), None
+
+    def backward(_, grad):
+        # The batch sum as a product with ones: written as `sum(grad, 0)`, the
+        # reduction over the major axis made XLA choose the (T, H, B) layout,
+        # just as the broadcast's autodiff did.
+        ones = jnp.ones((batch,), grad.dtype)
+        d_positions = jnp.einsum("b,bth->th", ones, grad, preferred_element_type=jnp.float32)
+        one_hot = jax.nn.one_hot(
+            segment_ids, num_segments, dtype=grad.dtype
+        )  # out-of-range ids: zero rows
+        d_segments = jnp.einsum("bts,bth->sh", one_hot, grad, preferred_element_type=jnp.float32)
+        return d_positions.astype(positions.dtype), d_segments.astype(segments.dtype)
+
+    embed.defvjp(forward, backward)
+    return tokens + embed(positions, segments)
+
+
+def gelu(x, approximate=False):
+    """GELU in the erf form (or the tanh approximation), computed in float32."""
+    x32 = x.astype(jnp.float32)
+    if approximate:  # x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2
+        inner = np.float32(np.sqrt(2.0 / np.pi)) * (x32 + 0.044715 * x32 * x32 * x32)
+        return (0.5 * x32 * (1.0 + jnp.tanh(inner))).astype(x.dtype)
+    return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * np.float32(1 / np.sqrt(2.0))))).astype(x.dtype)
+
+
+def layer_norm(x, gamma, beta, epsilon):
+    """LayerNorm over the last axis with a one-pass forward and a closed-form
+    backward (see `kbert.backend.ops`)."""
+    x, gamma, beta = (ops.convert_to_tensor(v) for v in (x, gamma, beta))  # variables -> arrays
+    out_dtype = x.dtype
+    reduce_axes = tuple(range(x.ndim - 1))
+
+    def statistics(x32):
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        variance = jnp.maximum(jnp.mean(x32 * x32, axis=-1, keepdims=True) - mean * mean, 0.0)
+        return mean, jax.lax.rsqrt(variance + np.float32(epsilon))
+
+    @jax.custom_vjp
+    def apply(x, gamma, beta):
+        return forward(x, gamma, beta)[0]
+
+    def forward(x, gamma, beta):
+        x32 = x.astype(jnp.float32)
+        mean, rstd = statistics(x32)
+        y = (x32 - mean) * rstd * gamma.astype(jnp.float32) + beta.astype(jnp.float32)
+        return y.astype(out_dtype), (x, mean, rstd, gamma, beta)
+
+    def backward(residuals, grad):
+        x, mean, rstd, gamma, beta = residuals
+        x_hat = (x.astype(jnp.float32) - mean) * rstd
+        g = grad.astype(jnp.float32)
+        g_scaled = g * gamma.astype(jnp.float32)
+        a = jnp.mean(g_scaled, axis=-1, keepdims=True)
+        b = jnp.mean(g_scaled * x_hat, axis=-1, keepdims=True)
+        dx = rstd * (g_scaled - a - x_hat * b)
+        zero = np.float32(0)
+        d_gamma, d_beta = jax.lax.reduce(  # one pass over (g, x) for both
+            (g * x_hat, g), (zero, zero), lambda u, v: (u[0] + v[0], u[1] + v[1]), reduce_axes
+        )
+        return dx.astype(x.dtype), d_gamma.astype(gamma.dtype), d_beta.astype(beta.dtype)
+
+    apply.defvjp(forward, backward)
+    return apply(x, gamma, beta)

@@ -1,0 +1,328 @@
+"""Every use of private Keras API in kbert, and nothing else.
+
+This is the only module that imports `keras.src`, reads or overrides a
+private Keras attribute or method, or patches Keras at run time. Each shim
+says what it works around, the Keras versions it was checked on, and when
+it can go. `tests/backend/test_keras_internals.py` asserts that every
+private symbol used here exists with the expected signature, so a Keras
+upgrade fails there first.
+
+Checked on Keras 3.11.3 to 3.15.1 (the declared range in pyproject.toml).
+"""
+
+import contextlib
+import sys
+
+import keras
+from keras import ops
+
+# --- version shims (public API missing from older Keras) -------------------
+
+
+def layer_normalization(x, gamma, beta, epsilon):
+    """`keras.ops.layer_normalization` over the last axis.
+
+    Works around: the op is missing before Keras 3.11 (3.10 has only the
+    layer). Can go when the floor is 3.11 or newer (it is: kept so a user on
+    an unsupported older Keras gets the same numbers, not an AttributeError).
+    """
+    if hasattr(ops, "layer_normalization"):
+        return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
+    x32 = ops.cast(x, "float32")
+    mean = ops.mean(x32, axis=-1, keepdims=True)
+    variance = ops.var(x32, axis=-1, keepdims=True)
+    y = (x32 - mean) * ops.rsqrt(variance + epsilon)
+    return ops.cast(y * ops.cast(gamma, "float32") + ops.cast(beta, "float32"), x.dtype)
+
+
+# --- models and layers ------------------------------------------------------
+
+
+def flatten_layers(layer):
+    """Every sublayer of `layer`, recursively, itself excluded.
+
+    Works around: Keras has no public recursive layer walk
+    (`Layer._flatten_layers`, 3.0-3.15)."""
+    return layer._flatten_layers(include_self=False, recursive=True)
+
+
+def call_has_training_arg(model):
+    """Whether `model.call` takes `training` (`Layer._call_has_training_arg`,
+    3.0-3.15; Keras' own torch `train_step` reads it)."""
+    return model._call_has_training_arg
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training=True):
+    """`Trainer._compute_loss` (3.5-3.15): `compute_loss` with the
+    training flag, as Keras' own torch `train_step` calls it."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def loss_tracker(model):
+    """The `Mean` metric behind the `loss` log (`Trainer._loss_tracker`,
+    3.0-3.15), which Keras' torch `train_step` updates itself."""
+    return model._loss_tracker
+
+
+def compiled_losses_and_metrics(model):
+    """The losses and metrics the user passed to `compile`, as given
+    (`CompileLoss._user_loss`, `CompileMetrics._user_metrics` and
+    `_user_weighted_metrics`, 3.0-3.15)."""
+    found = []
+    if getattr(model, "_compile_loss", None) is not None:
+        found.append(model._compile_loss._user_loss)
+    if getattr(model, "_compile_metrics", None) is not None:
+        found += [
+            model._compile_metrics._user_metrics,
+            model._compile_metrics._user_weighted_metrics,
+        ]
+    return found
+
+
+def distribute_strategy(model):
+    """The tf.distribute strategy the model was built under, or None
+    (`Trainer._distribute_strategy`, TensorFlow backend, 3.0-3.15)."""
+    return getattr(model, "_distribute_strategy", None)
+
+
+def in_multi_worker_mode(strategy):
+    """Whether a MultiWorkerMirroredStrategy spans several workers
+    (`extended._in_multi_worker_mode()`, TensorFlow 2.16-2.21)."""
+    return strategy.extended._in_multi_worker_mode()
+
+
+class TrainerShims:
+    """Mixed into `kbert.models.Task` (before `keras.Model`).
+
+    `_maybe_symbolic_build` (Trainer, 3.0-3.15): Keras' TensorFlow trainer
+    builds the model from a sample batch that it reduces with
+    `strategy.reduce` on the nested structure, which
+    MultiWorkerMirroredStrategy rejects ("Attempt to convert a value
+    ({'token_ids': PerReplica..."). A kbert task is built when it is
+    constructed; when only the optimizer is left, build it directly. Can go
+    when Keras builds distributed functional models without a sample batch.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = distribute_strategy(self)
+        built = (
+            all(layer.built for layer in self._flatten_layers())
+            and (self._compile_metrics is None or self._compile_metrics.built)
+            and (self._compile_loss is None or self._compile_loss.built)
+        )
+        if strategy is not None and built:
+            if self.optimizer is not None and not self.optimizer.built:
+                with strategy.scope():
+                    self.optimizer.build(self.trainable_variables)
+            return
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+
+# --- optimizers -------------------------------------------------------------
+
+
+def adamw_base():
+    """keras.optimizers.AdamW as the backend runs it fastest.
+
+    Works around: on torch, Keras maps `keras.optimizers.AdamW` itself to a
+    multi-tensor implementation (`torch._foreach_*`, a few kernels for all
+    variables), but only for that exact class (`TorchOptimizer.__new__`): a
+    subclass falls back to the per-variable update (about 20 kernels and
+    several host syncs per variable). So kbert's subclass derives from the
+    torch class (`keras.src.backend.torch.optimizers.torch_adamw.AdamW`,
+    3.0-3.15). Can go if Keras dispatches subclasses too."""
+    if keras.backend.backend() == "torch":
+        from keras.src.backend.torch.optimizers import torch_adamw
+
+        return torch_adamw.AdamW
+    return keras.optimizers.AdamW
+
+
+class OptimizerShims:
+    """Mixed into kbert's optimizers, before the Keras class.
+
+    `_clip_gradients` (BaseOptimizer, 3.0-3.15) is the hook Keras calls with
+    the gradients before the update; kbert routes it to the public
+    `clip_gradients(grads)` of the optimizer (replica-exact, sync-free
+    clipping). `_parallel_update_step` (the torch parallel optimizers,
+    3.0-3.15) is the multi-tensor update Keras' torch `_backend_update_step`
+    calls; kbert routes it to `parallel_update(grads, variables,
+    learning_rate)` when the optimizer defines one.
+    """
+
+    def _clip_gradients(self, grads):
+        if not self.global_clipnorm:
+            return super()._clip_gradients(grads)
+        return self.clip_gradients(grads)
+
+    def _parallel_update_step(self, grads, variables, learning_rate):
+        if hasattr(self, "parallel_update"):
+            return self.parallel_update(grads, variables, learning_rate)
+        return super()._parallel_update_step(grads, variables, learning_rate)
+
+
+def learning_rate_object(optimizer):
+    """What the optimizer was given as its learning rate: a variable, a
+    schedule or a callable (`BaseOptimizer._learning_rate`, 3.0-3.15; the
+    public `learning_rate` evaluates it)."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def iterations_variable(optimizer):
+    """The step counter variable itself (`BaseOptimizer._iterations`,
+    3.0-3.15); the public `iterations` is a derived value under gradient
+    accumulation."""
+    return optimizer._iterations
+
+
+def adam_slots(optimizer, variables):
+    """(momentums, velocities, velocity hats or None) for `variables`, as
+    torch tensors (`Adam._momentums`, `_velocities`, `_velocity_hats`,
+    `_get_variable_index`, 3.0-3.15)."""
+    index = optimizer._get_variable_index
+    m = [torch_value(optimizer._momentums[index(v)]) for v in variables]
+    v = [torch_value(optimizer._velocities[index(v)]) for v in variables]
+    hats = None
+    if optimizer.amsgrad:
+        hats = [torch_value(optimizer._velocity_hats[index(v)]) for v in variables]
+    return m, v, hats
+
+
+def torch_value(variable):
+    """A torch Keras variable's parameter tensor (`Variable._value`,
+    3.0-3.15). `variable.value` adds an autocast and symbolic-scope check per
+    read (600 reads per BERT-base step) that an optimizer update does not
+    need."""
+    return variable._value
+
+
+def add_variable_methods(variable, mixin):
+    """Gives `variable` the methods of `mixin` (its class becomes a subclass
+    of both); returns the variable.
+
+    Works around: Keras variables have no hook for `assign_add`; kbert's
+    torch step counter must add in place on the device (Keras turns the
+    Python int into a tensor first, a synchronising copy). The variable's
+    value and saving are unchanged."""
+    base = type(variable)
+    if not isinstance(variable, mixin):
+        key = (mixin, base)
+        if key not in _MIXED_CLASSES:  # one class per variable class, not per optimizer
+            _MIXED_CLASSES[key] = type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+        variable.__class__ = _MIXED_CLASSES[key]
+    return variable
+
+
+_MIXED_CLASSES = {}
+
+
+# --- the torch backend ------------------------------------------------------
+
+
+def torch_device():
+    """Keras' current torch device name (`keras.src.backend.torch.core.get_device`,
+    3.0-3.15; honours `keras.device` scopes)."""
+    from keras.src.backend.torch.core import get_device
+
+    return get_device()
+
+
+def autocast_scope(dtype):
+    """The scope `Layer.__call__` enters to autocast a layer's inputs
+    (`keras.src.backend.AutocastScope`, 3.0-3.15)."""
+    from keras.src.backend import AutocastScope
+
+    return AutocastScope(dtype)
+
+
+def current_autocast_dtype():
+    """The dtype of the active autocast scope, or None
+    (`keras.src.backend.get_autocast_scope`, 3.0-3.15)."""
+    from keras.src.backend import get_autocast_scope
+
+    scope = get_autocast_scope()
+    return scope.dtype if scope is not None else None
+
+
+_CONVERTERS = {}
+
+
+@contextlib.contextmanager
+def torch_convert_to_tensor(replacement_factory):
+    """Within the block, the torch backend's `convert_to_tensor` is
+    `replacement_factory(original)` in every Keras torch module that
+    imported it by name.
+
+    Works around: Keras' loss reduction and `Mean` metrics turn Python
+    numbers into tensors inside the step; on a GPU each is a pageable
+    host-to-device copy that synchronises the stream (and cannot be captured
+    in a CUDA graph). Checked on 3.11-3.15. Can go if Keras creates such
+    constants on the device."""
+    from keras.src.backend.torch import core
+
+    original = core.convert_to_tensor
+    # the module list is found once: a scan of sys.modules costs ~0.4 ms
+    if _CONVERTERS.get("original") is not original:
+        _CONVERTERS["original"] = original
+        _CONVERTERS["modules"] = [
+            m
+            for name, m in list(sys.modules.items())
+            if name.startswith("keras.src.backend.torch")
+            and getattr(m, "convert_to_tensor", None) is original
+        ]
+    modules = _CONVERTERS["modules"]
+    replacement = replacement_factory(original)
+    for module in modules:
+        module.convert_to_tensor = replacement
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.convert_to_tensor = original
+
+
+_END = object()
+
+
+def _host_iterator_class(base):
+    class HostBatchIterator(base):
+        """Keras' torch epoch iterator, with each batch made on the host."""
+
+        def _get_iterator(self):
+            loader = super()._get_iterator()
+
+            def batches():
+                with keras.device("cpu"):
+                    iterator = iter(loader)
+                while True:
+                    with keras.device("cpu"):
+                        batch = next(iterator, _END)
+                    if batch is _END:
+                        return
+                    yield batch
+
+            return batches()
+
+    return HostBatchIterator
+
+
+@contextlib.contextmanager
+def torch_batches_on_host():
+    """Within the block, Keras' torch `fit`/`evaluate` make each batch on the
+    host (Keras' device scope set to "cpu" around each `next()` of the
+    loader), replacing `keras.src.backend.torch.trainer.TorchEpochIterator`
+    with a subclass that overrides `_get_iterator` (3.0-3.15).
+
+    Works around: Keras' torch data adapters put each batch on the GPU with
+    a blocking copy; kbert's step copies host batches without blocking. Can
+    go if Keras offers non-blocking input copies."""
+    from keras.src.backend.torch import trainer
+
+    original = trainer.TorchEpochIterator
+    trainer.TorchEpochIterator = _host_iterator_class(original)
+    try:
+        yield
+    finally:
+        trainer.TorchEpochIterator = original

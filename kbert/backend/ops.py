@@ -1,0 +1,204 @@
+"""The fused operations kbert's layers call, each choosing its
+implementation from the backend: dense, dropout, attention, GELU, LayerNorm,
+the position + segment embedding sum, and sublayer calls. Every fast path
+computes what the generic path computes (tests compare them); each
+`*_path()` reports which one runs. Figures: `benchmarks/RESULTS.md`.
+
+`fused_dense(x, kernel, bias)` computes x @ kernel + bias.
+- torch: one `torch.nn.functional.linear` call, a GEMM with the bias added
+  in its epilogue (`addmm`), as transformers' `nn.Linear` does; the generic
+  `matmul` then `add` costs a second pass over the output.
+- torch, float32 on CPU without autograd (inference): oneDNN's product on a
+  weight reordered once into its blocked layout
+  (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's CPU freezing
+  uses). The reordered weight is cached per layer and rebuilt when the
+  kernel tensor changes (new tensor or in-place update).
+- everything else: `keras.ops.matmul` + `keras.ops.add`; XLA fuses the add.
+
+`fused_dropout(x, rate, seed_generator)` is inverted dropout.
+- JAX: the keep mask compares a keyed hash of each element's index (two
+  rounds of the lowbias32 mixer, keys from the layer's Keras seed) with
+  (1 - rate) * 2^32, computed inside the fusion that applies the mask; a
+  generator (threefry, or Philox) writes its bits to memory and reads them
+  back. The hash is not a cryptographic generator; tests check what dropout
+  needs: the keep rate, no correlation between neighbouring elements, rows
+  or successive masks. Kept values are scaled in float32 and rounded once.
+- everything else: `keras.random.dropout`.
+
+`fused_attention` computes softmax(QK^T * scale) V over the non-padding keys.
+- JAX on GPU, 16-bit inputs: cuDNN flash attention through
+  `jax.nn.dot_product_attention` with `key_value_seq_lengths` (the form
+  cuDNN accepts for padding); other masks are made that form by moving the
+  real keys first, so any mask is exact. Under `keras.distribution`
+  DataParallel the operands are pinned to batch shards; under other
+  distributions the XLA path is used.
+- torch: `scaled_dot_product_attention` on (B, N, T, D) views with a boolean
+  mask, and attention dropout applied by SDPA in training.
+  `keras.ops.dot_product_attention` reaches the same kernel but first copies
+  Q, K and V and turns the mask into a float bias.
+- everything else: `keras.ops.dot_product_attention` with a boolean mask.
+
+`fused_gelu(x, approximate)`: on JAX x (1 + erf(x / sqrt 2)) / 2 in float32,
+as torch computes it (`jax.nn.gelu`'s erfc form expands to two rational
+approximations per element); elsewhere `keras.activations.gelu`.
+
+`fused_layer_norm(x, gamma, beta, epsilon)` normalises the last axis in
+float32 and returns x's dtype. On JAX a custom gradient: the forward pass
+takes the mean and the mean of squares in one pass (variance clamped at 0);
+the backward pass uses the closed form
+dx = rstd (g' - mean(g') - x_hat mean(g' x_hat)), g' = g gamma. The one-pass
+variance loses relative precision of about 1e-7 * mean^2 / variance per
+row, negligible for LayerNorm inputs (the float32 parity tests against
+transformers run through it). Elsewhere `keras.ops.layer_normalization`.
+
+`fused_embedding_sum(tokens, positions, segments, segment_ids)` is
+tokens + segments[segment_ids] + positions[None]. On JAX both tables are
+gathered, with a custom gradient (a product with ones for the positions, a
+one-hot product for the segments): the broadcast's autodiff reduces over
+the batch axis, for which XLA chose a (T, H, B) layout that spread large
+transposes through the encoder. Elsewhere the broadcast and `take`.
+
+`sublayer_call(layer, *args)` is `layer(*args)`; on torch with eager tensors
+already in the layer's input dtype it calls `layer.call` under the autocast
+scope `Layer.__call__` would set, skipping bookkeeping (~50 us of host time
+per call) that is a no-op there: the torch GPU step is host-bound.
+
+`reverse_table_padding(rows)`: JAX pads the MLM decoder's vocabulary table to
+a multiple of 64 rows (tensor-core alignment; the logits are sliced back).
+"""
+
+import keras
+from keras import ops
+
+from kbert import backend
+from kbert.backend import keras_internals
+
+if backend.is_jax():
+    from kbert.backend import jax_ops
+elif backend.is_torch():
+    from kbert.backend import torch_ops
+
+
+def packed_weight_cache():
+    """A per-layer cache for `fused_dense` (torch CPU inference), or None."""
+    return torch_ops.PackedWeightCache() if backend.is_torch() else None
+
+
+def fused_dense_path(inputs=None):
+    """Which implementation `fused_dense` uses on this backend (for `inputs`,
+    under the current autograd mode, where that matters)."""
+    if not backend.is_torch():
+        return "keras-matmul-add"
+    if inputs is not None and torch_ops.onednn_inference(ops.convert_to_tensor(inputs)):
+        return "torch-onednn-packed"
+    return "torch-linear"
+
+
+def fused_dense(inputs, kernel, bias=None, cache=None):
+    """inputs (..., I), kernel (I, O), bias (O,) or None -> (..., O).
+
+    `cache`: the calling layer's `packed_weight_cache()`."""
+    if backend.is_torch():
+        return torch_ops.dense(inputs, kernel, bias, cache)
+    x = ops.matmul(inputs, kernel)
+    return x if bias is None else ops.add(x, bias)
+
+
+def fused_dropout_path():
+    """Which random bit generator `fused_dropout` uses on this backend."""
+    return "jax-hash" if backend.is_jax() else f"keras-{backend.name()}"
+
+
+def fused_dropout(inputs, rate, seed_generator):
+    """Zeroes each element with probability `rate`, scales the rest by 1/(1-rate)."""
+    if backend.is_jax():
+        return jax_ops.dropout(inputs, rate, seed_generator)
+    return keras.random.dropout(inputs, rate, seed=seed_generator)
+
+
+def _cudnn(dtype):
+    return (
+        backend.is_jax()
+        and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
+        and jax_ops.on_gpu()
+    )
+
+
+def fused_attention_path(dtype="bfloat16"):
+    """Which kernel `fused_attention` uses for inputs of `dtype`."""
+    if _cudnn(dtype):
+        return "jax-cudnn-flash"
+    return "torch-sdpa" if backend.is_torch() else f"keras-{backend.name()}"
+
+
+def attention_dropout_is_fused():
+    """Whether `fused_attention` applies attention-probability dropout
+    (torch's SDPA does; elsewhere the explicit path must)."""
+    return backend.is_torch()
+
+
+def fused_attention(query, key, value, padding_mask, scale, dropout=0.0):
+    """query/key/value (B, T, N, D); padding_mask (B, S) -> (B, T, N, D).
+    `dropout` (torch only): inverted dropout on the attention probabilities."""
+    if dropout and not attention_dropout_is_fused():
+        raise ValueError("fused_attention applies attention dropout on torch only")
+    keep = ops.cast(padding_mask, "bool")
+    if _cudnn(query.dtype):
+        return jax_ops.cudnn_attention(query, key, value, keep, scale)
+    # A row with no real token would softmax over nothing (NaN); let it
+    # attend everywhere instead. Its outputs are padding and unused.
+    empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
+    keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
+    if backend.is_torch():
+        return torch_ops.sdpa(query, key, value, keep, scale, dropout)
+    return ops.dot_product_attention(query, key, value, mask=keep, scale=scale)
+
+
+def fused_embedding_sum(tokens, positions, segments, segment_ids):
+    """tokens (B, T, H), positions (T, H), segments (S, H), segment_ids (B, T) -> (B, T, H)."""
+    if backend.is_jax():
+        return jax_ops.embedding_sum(tokens, positions, segments, segment_ids)
+    return tokens + ops.take(segments, ops.cast(segment_ids, "int32"), axis=0) + positions[None]
+
+
+def fused_gelu(x, approximate=False):
+    """GELU of x; on JAX in the erf form, computed in float32."""
+    if backend.is_jax():
+        return jax_ops.gelu(x, approximate)
+    return keras.activations.gelu(x, approximate=approximate)
+
+
+def fused_layer_norm(x, gamma, beta, epsilon):
+    """LayerNorm of x over its last axis with (H,) gamma and beta."""
+    if backend.is_jax():
+        return jax_ops.layer_norm(x, gamma, beta, epsilon)
+    return keras_internals.layer_normalization(x, gamma, beta, epsilon)
+
+
+def sublayer_call(layer, *args, **kwargs):
+    """layer(*args, **kwargs), without Keras' per-call bookkeeping on torch
+    eager tensors."""
+    if backend.is_torch() and layer.built:
+        return torch_ops.sublayer_call(layer, *args, **kwargs)
+    return layer(*args, **kwargs)
+
+
+def reverse_table_padding(rows, multiple=64):
+    """Zero rows to add to a (rows, H) table before the MLM decoder product:
+    on JAX up to a multiple of `multiple` (0 or 1: none); elsewhere 0 (on
+    eager torch the pad and slice would be real copies)."""
+    if multiple <= 1 or not backend.is_jax():
+        return 0
+    return -rows % multiple
+
+
+def rng_state():
+    """Backend RNG state that lives outside Keras variables, as arrays (torch's
+    global generators, from which its backend draws unseeded dropout)."""
+    return torch_ops.rng_state() if backend.is_torch() else {}
+
+
+def set_rng_state(arrays):
+    """Restores what `rng_state` returned."""
+    if backend.is_torch():
+        torch_ops.set_rng_state(arrays)

@@ -1,0 +1,103 @@
+"""Raw text in a task's `fit`, `evaluate` and `predict`: strings (or
+`(texts, pairs)` tuples) become model inputs through the task's
+preprocessor; `tf.data` datasets of strings are mapped through its
+in-graph form; model-input dicts pass through."""
+
+import sys
+
+import keras
+import numpy as np
+
+# Raw-text predictions run each batch cut to its longest sequence rounded up
+# to a multiple of this.
+BUCKET = 16
+
+
+def is_text(x):
+    """A string, or an array or list holding strings."""
+    if isinstance(x, str):
+        return True
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind in ("U", "S", "O") and (
+            x.size == 0 or isinstance(x.reshape(-1)[0], (str, bytes))
+        )
+    if isinstance(x, (list, tuple)):
+        # any string: the preprocessor then names whatever is not one
+        return any(isinstance(v, (str, bytes)) for v in x)
+    return False
+
+
+def is_tf_dataset(x):
+    """A `tf.data.Dataset` (without importing TensorFlow when nothing has)."""
+    if "tensorflow" not in sys.modules:
+        return False
+    import tensorflow as tf
+
+    return isinstance(x, tf.data.Dataset)
+
+
+def preprocess_samples(preprocessor, x):
+    """Raw strings (a list, an array, or a (texts, pairs) tuple) -> model
+    inputs; anything else passes through."""
+    if preprocessor is None or isinstance(x, dict) or x is None:
+        return x
+    if isinstance(x, tuple) and len(x) == 2 and is_text(x[0]) and is_text(x[1]):
+        return preprocessor(x[0], x[1])
+    if is_text(x):
+        return preprocessor(x)
+    return x
+
+
+def map_dataset(preprocessor, data, with_targets):
+    """A tf.data dataset of raw strings mapped through the in-graph
+    preprocessor. Elements are `x` (predict) or `(x, y[, w])`, where `x` is
+    a string batch or a `(texts, pairs)` tuple."""
+    import tensorflow as tf
+
+    def convert_x(x):
+        if isinstance(x, tuple) and len(x) == 2:
+            return preprocessor(x[0], x[1])
+        if isinstance(x, tf.Tensor) and x.dtype == tf.string:
+            return preprocessor(x)
+        return x
+
+    if with_targets:
+        return data.map(
+            lambda x, *rest: (convert_x(x),) + rest, num_parallel_calls=tf.data.AUTOTUNE
+        )
+    return data.map(
+        lambda *x: convert_x(x if len(x) > 1 else x[0]), num_parallel_calls=tf.data.AUTOTUNE
+    )
+
+
+def convert(task, x, y, with_targets=True):
+    """(model inputs, checked targets) for a task's fit/evaluate/predict."""
+    if is_tf_dataset(x):
+        if task.preprocessor is None:
+            return x, y
+        return map_dataset(task.preprocessor, x, with_targets), y
+    if y is not None:
+        checked = task.check_targets(y)
+        y = y if checked is None else checked
+    return task.preprocess_samples(x), y
+
+
+def predict_in_buckets(task, x, batch_size):
+    """`task.predict_on_batch` over right-padded model inputs, each batch
+    cut to its longest sequence rounded up to a multiple of `BUCKET`: the
+    same numbers (padding is masked), and a compiled backend compiles once
+    per bucket, not once per length."""
+    full = x["padding_mask"].shape[-1]
+    outputs = []
+    for start in range(0, len(x["padding_mask"]), batch_size):
+        batch = {name: value[start : start + batch_size] for name, value in x.items()}
+        # Preprocessor output is right-padded: the columns past the
+        # longest sequence are padding in every row.
+        longest = int(np.max(np.sum(batch["padding_mask"], axis=-1), initial=1))
+        length = min(full, -(-longest // BUCKET) * BUCKET)
+        outputs.append(
+            task.predict_on_batch({name: value[..., :length] for name, value in batch.items()})
+        )
+    if not outputs:
+        return None
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)

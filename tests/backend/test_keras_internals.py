@@ -1,0 +1,213 @@
+"""The private Keras API kbert relies on exists, with the signatures its shims
+expect; and no module but `kbert.backend.keras_internals` touches it.
+
+A Keras upgrade that moves one of these fails here first, naming the symbol.
+"""
+
+import ast
+import inspect
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.backend import keras_internals
+
+KBERT = pathlib.Path(kbert.__file__).parent
+INTERNALS = KBERT / "backend" / "keras_internals.py"
+TINY = dict(
+    vocabulary_size=50,
+    num_layers=1,
+    num_heads=2,
+    hidden_dim=8,
+    intermediate_dim=16,
+    max_sequence_length=16,
+)
+
+
+def parameters(function):
+    return list(inspect.signature(function).parameters)
+
+
+def test_private_methods_have_the_expected_signatures():
+    from keras.src.trainers.trainer import Trainer
+
+    assert parameters(keras.layers.Layer._flatten_layers)[:3] == [
+        "self",
+        "include_self",
+        "recursive",
+    ]
+    assert {"x", "y", "y_pred", "sample_weight", "training"} <= set(
+        parameters(Trainer._compute_loss)
+    )
+    optimizer = keras.optimizers.AdamW
+    assert parameters(optimizer._clip_gradients) == ["self", "grads"]
+    assert parameters(optimizer._get_variable_index) == ["self", "variable"]
+
+
+def test_private_state_of_a_compiled_model_and_its_optimizer():
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
+    model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    assert keras_internals.call_has_training_arg(model) is True
+    assert isinstance(keras_internals.loss_tracker(model), keras.metrics.Mean)
+    losses, metrics, weighted = keras_internals.compiled_losses_and_metrics(model)
+    assert losses == "sparse_categorical_crossentropy" and metrics == ["accuracy"]
+    assert weighted is None
+    layers = list(keras_internals.flatten_layers(model.backbone))
+    assert any(isinstance(layer, keras.layers.LayerNormalization) for layer in layers)
+
+    optimizer = model.optimizer
+    assert isinstance(
+        keras_internals.learning_rate_object(optimizer),
+        keras.optimizers.schedules.LearningRateSchedule,
+    )
+    assert keras_internals.iterations_variable(optimizer) is not None
+    optimizer.build(model.trainable_variables)
+    for slots in ("_momentums", "_velocities"):
+        assert len(getattr(optimizer, slots)) == len(model.trainable_variables)
+    variable = model.trainable_variables[0]
+    assert optimizer._get_variable_index(variable) == 0
+
+
+def test_version_shim_layer_normalization_matches_keras():
+    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype("float32")
+    gamma, beta = np.full(8, 1.5, "float32"), np.full(8, 0.25, "float32")
+    layer = keras.layers.LayerNormalization(epsilon=1e-12)
+    layer.build(x.shape)
+    layer.gamma.assign(gamma)
+    layer.beta.assign(beta)
+    want = keras.ops.convert_to_numpy(layer(x))
+    got = keras.ops.convert_to_numpy(keras_internals.layer_normalization(x, gamma, beta, 1e-12))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch backend's internals")
+def test_torch_backend_internals():
+    from keras.src.backend import AutocastScope, get_autocast_scope
+    from keras.src.backend.torch import core, trainer
+    from keras.src.backend.torch.optimizers import torch_adamw
+
+    assert issubclass(torch_adamw.AdamW, keras.optimizers.AdamW)
+    assert parameters(torch_adamw.AdamW._parallel_update_step) == [
+        "self",
+        "grads",
+        "variables",
+        "learning_rate",
+    ]
+    assert parameters(core.convert_to_tensor)[:4] == ["x", "dtype", "sparse", "ragged"]
+    assert isinstance(core.get_device(), str)
+    assert parameters(trainer.TorchEpochIterator._get_iterator) == ["self"]
+    assert parameters(AutocastScope.__init__)[:2] == ["self", "dtype"]
+    assert get_autocast_scope() is None
+    with keras_internals.autocast_scope("bfloat16"):
+        assert keras_internals.current_autocast_dtype() == "bfloat16"
+    variable = keras.Variable(np.ones(3, "float32"))
+    import torch
+
+    assert isinstance(keras_internals.torch_value(variable), torch.nn.Parameter)
+    assert keras_internals.adamw_base() is torch_adamw.AdamW
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the TF trainer's strategy")
+def test_tensorflow_trainer_records_its_strategy():
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
+    assert keras_internals.distribute_strategy(model) is strategy
+    assert hasattr(strategy.extended, "_in_multi_worker_mode")
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    assert parameters(TensorFlowTrainer._maybe_symbolic_build) == [
+        "self",
+        "iterator",
+        "data_batch",
+    ]
+
+
+def _keras_private_names():
+    """Underscore names Keras' public classes define (their private API)."""
+    names = set()
+    classes = [
+        keras.Model,
+        keras.layers.Layer,
+        keras.layers.Dense,
+        keras.layers.LayerNormalization,
+        keras.optimizers.AdamW,
+        keras.optimizers.Optimizer,
+        keras.Variable,
+        keras.metrics.Mean,
+        keras.callbacks.Callback,
+    ]
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("keras"):
+                names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+    model = kbert.BertBackbone(**TINY)
+    model.compile(optimizer="adam", loss="mse")
+    names |= {n for n in vars(model) if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+def test_no_private_keras_access_outside_the_internals_module():
+    """No `keras.src` import and no read, write or override of a private
+    Keras attribute or method anywhere in kbert but keras_internals."""
+    private = _keras_private_names()
+    assert {"_flatten_layers", "_compile_loss", "_loss_tracker"} <= private
+    offenders = []
+    for path in sorted(KBERT.rglob("*.py")):
+        if path == INTERNALS:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        where = path.relative_to(KBERT.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras.src"):
+                offenders.append(f"{where}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                offenders += [
+                    f"{where}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if a.name.startswith("keras.src")
+                ]
+            elif isinstance(node, ast.Attribute) and node.attr in private:
+                offenders.append(f"{where}:{node.lineno} uses {node.attr}")
+            elif isinstance(node, ast.FunctionDef) and node.name in private:
+                offenders.append(f"{where}:{node.lineno} overrides {node.name}")
+    assert offenders == [], offenders
+
+
+def test_backend_checks_only_in_the_backend_package():
+    offenders = []
+    for path in sorted(KBERT.rglob("*.py")):
+        if (KBERT / "backend") in path.parents:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if "keras.backend.backend()" in line:
+                offenders.append(f"{path.relative_to(KBERT.parent)}:{number}")
+    assert offenders == [], offenders
+
+
+def test_kbert_has_no_import_cycles():
+    import grimp
+
+    graph = grimp.build_graph("kbert")
+    modules = sorted(m for m in graph.modules if m.startswith("kbert"))
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in modules}
+    state, cycles = {}, []
+
+    def visit(module, stack):
+        state[module] = "open"
+        for target in edges[module]:
+            if state.get(target) == "open":
+                cycles.append(stack[stack.index(target) :] + [target])
+            elif target not in state:
+                visit(target, stack + [target])
+        state[module] = "done"
+
+    for module in modules:
+        if module not in state:
+            visit(module, [module])
+    assert cycles == [], cycles

@@ -8,13 +8,18 @@ runs; `python -m kbert.cli` is the same command.
 
 import json
 import os
+import runpy
 import sys
+
+import kbert_cli
+from kbert import models
+from kbert.convert import huggingface
+from kbert.data import MaskingConfig, check_directory
+from kbert.data import create_pretraining_data as create_data
+from kbert.tokenizers import BertTokenizer
 
 
 def create_pretraining_data(args):
-    from kbert.data import MaskingConfig, create_pretraining_data
-    from kbert.tokenizers import BertTokenizer
-
     tokenizer = BertTokenizer(args.vocab, lowercase=args.lowercase)
     masking = MaskingConfig(
         max_seq_length=args.max_seq_length,
@@ -23,7 +28,7 @@ def create_pretraining_data(args):
         short_seq_prob=args.short_seq_prob,
         whole_word_mask=args.whole_word_mask,
     )
-    create_pretraining_data(
+    create_data(
         args.input,
         tokenizer,
         args.output,
@@ -37,23 +42,18 @@ def create_pretraining_data(args):
 
 
 def check_pretraining_data(args):
-    from kbert.data import check_directory
-
     print(json.dumps(check_directory(args.directory), indent=2))
     return 0
 
 
 def _load_any(source):
     """The model a preset or Hugging Face directory holds, with its head."""
-    import kbert
-    from kbert.convert import huggingface
-
     task_path = os.path.join(source, "task.json")
     if os.path.isfile(task_path):
         with open(task_path) as f:
             name = json.load(f).get("class_name")
-        cls = getattr(kbert, str(name), None)
-        if not (isinstance(cls, type) and issubclass(cls, kbert.models.Task)):
+        cls = getattr(models, str(name), None)
+        if not (isinstance(cls, type) and issubclass(cls, models.Task)):
             raise ValueError(f"{task_path} names an unknown task {name!r}")
         return cls.from_preset(source)
     if huggingface.is_huggingface_dir(source):
@@ -61,28 +61,26 @@ def _load_any(source):
             config = json.load(f)
         architecture = (config.get("architectures") or ["BertModel"])[0]
         if architecture == "BertForPreTraining":
-            return kbert.BertPreTrainer.from_preset(source)
+            return models.BertPreTrainer.from_preset(source)
         if architecture == "BertForMaskedLM":
-            return kbert.BertMaskedLM.from_preset(source)
+            return models.BertMaskedLM.from_preset(source)
         if architecture == "BertForSequenceClassification":
-            return kbert.BertClassifier.from_preset(
+            return models.BertClassifier.from_preset(
                 source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2)
             )
         if architecture == "BertForTokenClassification":
-            return kbert.BertTokenClassifier.from_preset(
+            return models.BertTokenClassifier.from_preset(
                 source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2)
             )
         if architecture == "BertForQuestionAnswering":
-            return kbert.BertQuestionAnswerer.from_preset(source)
-    return kbert.BertBackbone.from_preset(source)
+            return models.BertQuestionAnswerer.from_preset(source)
+    return models.BertBackbone.from_preset(source)
 
 
 def convert(args):
-    from kbert.convert.huggingface import export_to_huggingface
-
     model = _load_any(args.source)
     if args.to == "huggingface":
-        export_to_huggingface(model, args.destination)
+        huggingface.export_to_huggingface(model, args.destination)
     else:
         model.save_to_preset(args.destination)
     print(f"wrote {type(model).__name__} to {args.destination} ({args.to})")
@@ -91,8 +89,6 @@ def convert(args):
 
 def pretrain(argv):
     """Runs examples/pretrain.py with `argv` as its arguments."""
-    import runpy
-
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain.py")
     if not os.path.isfile(script):
         print(
@@ -107,8 +103,6 @@ def pretrain(argv):
 
 def main(argv=None):
     """The `kbert` command (kbert_cli.main)."""
-    import kbert_cli
-
     return kbert_cli.main(argv)
 
 

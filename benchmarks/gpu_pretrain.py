@@ -1,15 +1,35 @@
-"""Pre-training step throughput on one GPU: kbert BertPreTrainer (JAX and torch
-backends, attention dropout 0 and 0.1) vs transformers BertForPreTraining
-(eager and torch.compile), identical shapes, synthetic full-length batches, bf16.
+"""Pre-training step throughput on one GPU: kbert's BertPreTrainer (JAX and
+torch backends) vs transformers' BertForPreTraining (eager and
+torch.compile), identical shapes, synthetic full-length batches, bf16, AdamW.
 
-    python benchmarks/gpu_pretrain.py --configs base128 --out results.json
+    python benchmarks/gpu_pretrain.py                      # every config and system
+    python benchmarks/gpu_pretrain.py --configs base128 --variants kbert-jax-drop0 hf-compile
+    python benchmarks/gpu_pretrain.py --configs tiny128 --variants kbert-jax-drop0  # smoke test
 
-Each variant runs in its own process (the Keras backend is fixed at import).
+Each variant runs in its own process (the Keras backend is fixed at import),
+one after the other on the same GPU; compare figures within one invocation.
 Throughput is steady state for every system: transformers over 2 x --steps
 synchronised steps after warm-up; kbert as the difference between a fit of
-3 x --steps and one of --steps (which removes fit()'s fixed start-up and
-tear-down; the whole-fit figure is reported as well). Prints seq/s, model TFLOP/s, MFU against a bf16 matrix product measured in
-the same run, and peak device memory.
+3 x --steps and one of --steps, which removes fit()'s fixed start-up and
+tear-down (the whole-fit figure is reported too). Prints and writes (--out)
+sequences/s, model TFLOP/s, MFU against a bf16 8192^3 matrix product timed
+in the same run, and peak device memory. `--configs tiny128` (bert_tiny,
+batch 8) is a smoke test of the script that also runs on a CPU (best with
+JAX variants). Current figures: benchmarks/RESULTS.md.
+
+Variants: `hf-eager`, `hf-compile` (transformers, attention dropout 0.1 as
+configured by default), and `kbert-<backend>-drop<attention dropout>`
+followed by any of these switches:
+    -dp         keras.distribution.DataParallel over every GPU, per-GPU batch unchanged (JAX)
+    -dpxla      the same with XLA's attention instead of cuDNN's (JAX)
+    -nopad      MLM decoder product on the 30,522 columns, not padded to a multiple of 64 (JAX)
+    -cublas     matrix products through cuBLAS only, no Triton GEMMs (JAX)
+    -cmdbuf     XLA command buffers (CUDA graphs) for every kind of op and any size (JAX)
+    -nocmdbuf   no XLA command buffers (JAX)
+    -nograph    torch: every step eager instead of a CUDA graph replay
+    -kerasbatches  torch: batches put on the GPU by Keras' data adapters (blocking copies)
+    -jit        torch: Keras' step through torch.compile instead of kbert's step
+    -nodrop     no hidden dropout either (an upper bound: what dropout costs)
 """
 
 import argparse
@@ -24,17 +44,8 @@ CONFIGS = {
     "base128": ("bert_base", 128, 256, 20),
     "base512": ("bert_base", 512, 32, 76),
     "large128": ("bert_large", 128, 128, 20),
-    "tiny128": ("bert_tiny", 128, 8, 20),  # a smoke test of the script itself (runs on CPU)
+    "tiny128": ("bert_tiny", 128, 8, 20),  # a smoke test of the script itself
 }
-# kbert-<backend>-drop<attention dropout>[-nodrop: no hidden dropout either,
-# an upper bound that shows what dropout costs][-cublas: XLA without Triton
-# GEMMs][-jit: torch.compile the torch backend's step][-dp: keras.distribution.DataParallel
-# over all GPUs, per-GPU batch unchanged][-dpxla: the same with XLA's attention][-kerasbatches: torch, batches put on
-# the GPU by Keras' data adapters (blocking copies) as before host_batches][-nograph: torch,
-# every step eager instead of a CUDA graph replay][-cmdbuf / -nocmdbuf: XLA command buffers
-# (CUDA graphs) for every kind of op and any sequence length / none][-nopad: JAX, MLM decoder
-# product on V = 30522 columns instead of a multiple of 64];
-# hf-eager / hf-compile.
 VARIANTS = (
     "kbert-jax-drop0",
     "kbert-jax-drop0.1",
@@ -105,7 +116,7 @@ def check_fused_attention():
     return {
         "fused_vs_explicit_max_abs": error,
         "finite": bool(np.isfinite(fused).all()),
-        "path": kbert.layers.fused.fused_attention_path(),
+        "path": kbert.backend.ops.fused_attention_path(),
     }
 
 
@@ -119,18 +130,18 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
     dropout = float(options[0][len("drop") :])
     if keras.backend.backend() == "torch":
         spe = 1  # Keras' torch trainer runs one step per call
-        if "kerasbatches" in options:  # A/B: Keras' own blocking batch copies
+        if "kerasbatches" in options:  # Keras' own blocking batch copies
             import contextlib
 
-            import kbert.training.torch_step as torch_step
+            import kbert.backend.torch_step as torch_step
 
             torch_step.host_batches = lambda force=False: contextlib.nullcontext()
-    if "nopad" in options:  # A/B: the MLM decoder product on the unpadded vocabulary
+    if "nopad" in options:  # the MLM decoder product on the unpadded vocabulary
         kbert.layers.TokenEmbedding.REVERSE_PAD = 0
-    if "dpxla" in options:  # A/B: the XLA attention path under the distribution
-        import kbert.layers.fused as fused
+    if "dpxla" in options:  # the XLA attention path under the distribution
+        import kbert.backend.jax_ops as jax_ops
 
-        fused._jax_gpu = lambda: False
+        jax_ops.on_gpu = lambda: False
     if (
         "dp" in options or "dpxla" in options
     ):  # data parallel over every local GPU, same per-GPU batch
@@ -146,8 +157,8 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         dropout=0.0 if "nodrop" in options else 0.1,
     )
     model = kbert.BertPreTrainer(backbone)
-    # torch: Keras' torch.compile of the whole train step does not trace the
-    # optimizer (regex weight-decay exclusion), so the torch backend runs eager.
+    # torch: kbert's own step (a CUDA graph on a GPU); -jit hands Keras' step
+    # to torch.compile instead.
     model.compile(
         optimizer=kbert.training.create_optimizer(1e-4, 10_000, 100),
         steps_per_execution=spe,
@@ -198,7 +209,7 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         "peak_bytes": peak,
         "whole_fit": {"steps": long, "seconds": long_s, "seq_per_s": long * b / long_s},
         "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True),
-        "fused_kernel": kbert.layers.fused.fused_attention_path(),
+        "fused_kernel": kbert.backend.ops.fused_attention_path(),
     }
     if keras.backend.backend() == "jax":
         result["check"] = check_fused_attention()
@@ -301,7 +312,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="+", default=["base128", "base512", "large128"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--steps-per-execution", type=int, default=10)
     parser.add_argument("--out", default="gpu_pretrain.json")
     parser.add_argument("--timeout", type=int, default=240)
@@ -312,19 +323,25 @@ def main():
     if args.child:
         return child(args)
 
+    # This process imports kbert only for the architecture sizes; each
+    # variant's process sets its own backend.
+    os.environ.setdefault("KERAS_BACKEND", "torch")
     import torch
 
-    device = torch.cuda.get_device_name(0)
-    peak = matmul_tflops()
-    print(f"{device}: bf16 8192^3 matmul {peak:.0f} TFLOP/s", flush=True)
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+        peak = matmul_tflops()
+        print(f"{device}: bf16 8192^3 matmul {peak:.0f} TFLOP/s", flush=True)
+    else:  # the tiny128 smoke test: no MFU
+        device, peak = "cpu", None
     report = {"device": device, "matmul_tflops": peak, "results": []}
     for config in args.configs:
         arch, t, b, p = CONFIGS[config]
         flops = train_flops_per_sequence(arch, t, p)
         for variant in args.variants:
             env = dict(os.environ)
-            if variant.startswith("kbert"):
-                env["KERAS_BACKEND"] = variant.split("-")[1]
+            # transformers' variants import kbert only for the architecture sizes
+            env["KERAS_BACKEND"] = variant.split("-")[1] if variant.startswith("kbert") else "torch"
             if variant.endswith("-cublas"):  # matrix products through cuBLAS only
                 env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false"
             if variant.endswith("-cmdbuf"):
@@ -363,11 +380,12 @@ def main():
                     variant=variant,
                     seq_per_s=sps,
                     tflops=sps * flops / 1e12,
-                    mfu=sps * flops / 1e12 / peak,
+                    mfu=sps * flops / 1e12 / peak if peak else None,
                     wall_s=time.time() - started,
                 )
                 print(
-                    f"{config:9s} {variant:24s} {sps:9.0f} seq/s {r['tflops']:6.0f} TFLOP/s MFU {r['mfu']:.2f} "
+                    f"{config:9s} {variant:24s} {sps:9.0f} seq/s {r['tflops']:6.0f} TFLOP/s "
+                    f"MFU {r['mfu'] or 0:.2f} "
                     f"peak {((r['peak_bytes'] or 0) / 2**30):.1f} GiB loss {r['loss']:.2f}",
                     flush=True,
                 )

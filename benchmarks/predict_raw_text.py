@@ -1,13 +1,13 @@
 """`Task.predict` on raw text: length buckets versus one fixed length.
 
-    python benchmarks/predict_raw_text.py [--output benchmarks/results/predict_raw_text_cpu.json]
+    python benchmarks/predict_raw_text.py --data path/to/glue/SST-2/dev.tsv [--output predict.json]
 
 `BertTextEmbedder.predict(texts)` (the real all-MiniLM-L6-v2, SST-2 dev,
 batch 32) runs each batch cut to its longest sequence rounded up to 16;
 the baseline is Keras' `predict` on the same preprocessed inputs at the
 preprocessor's `sequence_length` (128). Each backend in its own process;
 the best of `--repeats` timed passes after one warm-up pass (which compiles
-every bucket on JAX and TensorFlow).
+every bucket on JAX and TensorFlow). Current figures: benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -63,6 +63,7 @@ def child(texts, repeats):
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--data", default=DATA, help="GLUE SST-2 dev.tsv")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--backends", nargs="+", default=["jax", "torch", "tensorflow"])
     parser.add_argument(
@@ -70,7 +71,7 @@ def main():
     )
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
-    texts = sentences(DATA)
+    texts = sentences(args.data)
     if args.child:
         print("RESULT " + json.dumps(child(texts, args.repeats)))
         return
@@ -78,7 +79,15 @@ def main():
     for backend in args.backends:
         env = dict(os.environ, KERAS_BACKEND=backend, CUDA_VISIBLE_DEVICES="")
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", "--repeats", str(args.repeats)],
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--data",
+                args.data,
+                "--repeats",
+                str(args.repeats),
+            ],
             env=env,
             capture_output=True,
             text=True,
@@ -95,7 +104,8 @@ def main():
             f"max |difference| {r['max_abs_difference']:.1e}"
         )
     report = {
-        "benchmark": "BertTextEmbedder.predict on raw SST-2 dev sentences (all-MiniLM-L6-v2, batch 32): "
+        "benchmark": "BertTextEmbedder.predict on raw SST-2 dev sentences "
+        "(all-MiniLM-L6-v2, batch 32): "
         "length buckets of 16 vs fixed length 128",
         "sentences": len(texts),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",

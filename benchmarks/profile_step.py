@@ -10,8 +10,9 @@ JAX: `jax.profiler` traces one execution of `--steps` training steps of
 torch backend) and hf (transformers eager): `torch.profiler`. Reports wall
 time per step, GPU busy time per step, and the busy time split by kernel
 category (matrix products, attention, normalisation/elementwise fusions,
-reductions, copies, optimizer ...) with the top kernels, so a claim like
-"bound by X" can be checked.
+reductions, copies, optimizer ...) with the top kernels, the GPU's idle time
+between kernels by gap length (JAX), and the host's busiest events, so a
+claim like "bound by X" can be checked. Current figures: benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -327,7 +328,8 @@ def main():
         print(f"  {k:28s} {v:7.2f} ms")
     for k in result["top_kernels"][:15]:
         print(
-            f"  {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:5.1f} {k['category']:14s} {k['name'][:90]}"
+            f"  {k['ms_per_step']:7.2f} ms x{k['calls_per_step']:5.1f} "
+            f"{k['category']:14s} {k['name'][:90]}"
         )
 
 

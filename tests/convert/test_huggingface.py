@@ -195,7 +195,7 @@ def test_cli_convert_both_ways(tmp_path):
 
     hf, directory = _hf_model(tmp_path, cls=transformers.BertForPreTraining)
     assert main(["convert", str(directory), str(tmp_path / "kb")]) == 0
-    model = kbert.BertPreTrainer.from_preset(tmp_path / "kb")
+    assert isinstance(kbert.BertPreTrainer.from_preset(tmp_path / "kb"), kbert.BertPreTrainer)
     assert (
         main(["convert", str(tmp_path / "kb"), str(tmp_path / "back"), "--to", "huggingface"]) == 0
     )

@@ -1,6 +1,7 @@
 """A tiny resumable pre-training run that faults on request (used by test_faults.py).
 
-    python -m tests.training.fault_worker CHECKPOINT_DIR OUT.npz [--kill-at N] [--term-at N] [--kill-in-save N]
+    python -m tests.training.fault_worker CHECKPOINT_DIR OUT.npz \
+        [--kill-at N] [--term-at N] [--kill-in-save N]
 
 --kill-at N: SIGKILL itself after step N. --term-at N: SIGTERM itself after
 step N (the run must checkpoint and exit 143). --kill-in-save N: SIGKILL in

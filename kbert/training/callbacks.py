@@ -8,6 +8,8 @@ import shutil
 import keras
 import numpy as np
 
+from kbert.backend import ops as backend_ops
+
 STATE_FILE = "state.json"
 ARRAYS_FILE = "variables.npz"
 
@@ -74,26 +76,11 @@ def _backend_rng_state():
     Keras' torch backend draws unseeded dropout masks from torch's global
     generator, so resuming exactly needs that generator's state too.
     """
-    if keras.backend.backend() != "torch":
-        return {}
-    import torch
-
-    state = {"rng_torch_cpu": torch.get_rng_state().numpy()}
-    if torch.cuda.is_available():
-        for i, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"rng_torch_cuda_{i}"] = cuda_state.numpy()
-    return state
+    return backend_ops.rng_state()
 
 
 def restore_backend_rng_state(arrays):
-    if keras.backend.backend() != "torch" or "rng_torch_cpu" not in arrays:
-        return
-    import torch
-
-    torch.set_rng_state(torch.from_numpy(arrays["rng_torch_cpu"].copy()))
-    cuda = sorted(k for k in arrays if k.startswith("rng_torch_cuda_"))
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all([torch.from_numpy(arrays[k].copy()) for k in cuda])
+    backend_ops.set_rng_state(arrays)
 
 
 class ResumableCheckpoint(keras.callbacks.Callback):
@@ -151,3 +138,126 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self.failed_step is not None or self.stopped_at is not None:
             return
         save_checkpoint(self.model, self.directory, self.step, self.keep)
+
+
+class CurveLogger(keras.callbacks.Callback):
+    """Writes the points of the training curves as JSON lines: training
+    metrics every `every` steps and, with `validation_data`, held-out metrics
+    at the end of every fit epoch (with `fit_resumable`, every checkpoint).
+
+    Each line is `{"step": optimizer step, "split": "train" | "held_out",
+    "<metric>": value, ...}`. A training point is the mean over the steps
+    since the previous point, recovered from Keras' running epoch means
+    (exact for the loss at a fixed batch size; for metrics weighted per
+    example, such as masked-LM accuracy, each batch counts once). The file is
+    appended to; a run first drops the points beyond the step it starts at
+    (written after the last checkpoint of a run that was stopped), so a
+    resumed run continues the same curve.
+
+    Held-out evaluation is `model.evaluate` with the backend RNG state put
+    back afterwards (torch's global generator, which creating a data iterator
+    draws from): unlike `fit(validation_data=...)`, evaluating leaves the
+    training run, and exact resumption, unchanged.
+
+    Args:
+        path: str. the JSON-lines file.
+        every: int. steps between training points.
+        validation_data: what `fit` takes as validation data (a dataset, or
+            a tuple `(x, y)` / `(x, y, sample_weight)`), or None.
+        validation_steps: int or None. batches of it to evaluate.
+
+    Example:
+
+    ```python
+    curves = CurveLogger("run/curves.jsonl", every=10, validation_data=held_out)
+    model.fit(train, epochs=3, steps_per_epoch=100, callbacks=[curves])
+    points = read_curves("run/curves.jsonl")
+    ```
+    """
+
+    def __init__(self, path, every=10, validation_data=None, validation_steps=None):
+        super().__init__()
+        if every < 1:
+            raise ValueError(f"every={every}: steps between points must be at least 1")
+        self.path = path
+        self.every = every
+        self.validation_data = validation_data
+        self.validation_steps = validation_steps
+        self.step = 0
+
+    def on_train_begin(self, logs=None):
+        if self.model.optimizer is None:
+            raise ValueError("CurveLogger needs a compiled model (it counts optimizer steps)")
+        self.step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        kept = [p for p in read_curves(self.path) if p["step"] <= self.step]
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(p) + "\n" for p in kept)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = self.step
+        self._batches = 0  # batches in this epoch at the last point
+        self._sums = {}  # running mean x batches at the last point
+        self._last = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        # With steps_per_execution > 1, `batch` is the last step of the execution.
+        previous, self.step = self.step, self._epoch_start + batch + 1
+        self._last = (batch + 1, logs or {})
+        if self.step // self.every > previous // self.every:
+            self._write_window()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._last is not None and self._last[0] > self._batches:
+            self._write_window()  # the steps after the last point (metrics reset each epoch)
+        if self.validation_data is None or self.model.stop_training:
+            return  # stopped early (non-finite loss, termination request): no evaluation
+        data = self.validation_data
+        if isinstance(data, (tuple, list)):  # (x, y) or (x, y, sample_weight), as in `fit`
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tuple(data))
+        else:
+            x, y, sample_weight = data, None, None
+        rng = _backend_rng_state()
+        results = self.model.evaluate(
+            x,
+            y,
+            sample_weight=sample_weight,
+            steps=self.validation_steps,
+            verbose=0,
+            return_dict=True,
+        )
+        restore_backend_rng_state(rng)
+        self._write({"step": self.step, "split": "held_out", **_floats(results)})
+
+    def _write_window(self):
+        batches, logs = self._last
+        point = {"step": self.step, "split": "train"}
+        for name, mean in _floats(logs).items():
+            total = mean * batches
+            point[name] = (total - self._sums.get(name, 0.0)) / (batches - self._batches)
+            self._sums[name] = total
+        self._batches = batches
+        self._write(point)
+
+    def _write(self, point):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(point) + "\n")
+
+
+def _floats(logs):
+    out = {}
+    for name, value in logs.items():
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+def read_curves(path):
+    """The points a `CurveLogger` wrote (a list of dicts), [] if there is no file."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

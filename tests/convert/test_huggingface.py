@@ -89,6 +89,9 @@ def test_pickle_checkpoint_needs_opt_in(tmp_path):
     with pytest.raises(PresetError, match="allow_pickle=True"):
         kbert.BertBackbone.from_preset(directory)
     backbone = kbert.BertBackbone.from_preset(directory, allow_pickle=True)
+    # a task model reads the same checkpoint for its head, with the same opt-in
+    classifier = kbert.BertClassifier.from_preset(directory, num_classes=2, allow_pickle=True)
+    assert classifier.backbone.num_layers == backbone.num_layers
     x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
     ref = _hf_forward(hf, x).last_hidden_state.numpy()
     y = harness.to_numpy(backbone(x))["sequence_output"]

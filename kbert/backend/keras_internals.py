@@ -7,33 +7,14 @@ it can go. `tests/backend/test_keras_internals.py` asserts that every
 private symbol used here exists with the expected signature, so a Keras
 upgrade fails there first.
 
-Checked on Keras 3.11.3 to 3.15.1 (the declared range in pyproject.toml).
+Checked on Keras 3.12.0 to 3.15.1 (the declared range in pyproject.toml;
+`.ci/run` runs the smoke tests on 3.12.0).
 """
 
 import contextlib
 import sys
 
 import keras
-from keras import ops
-
-# --- version shims (public API missing from older Keras) -------------------
-
-
-def layer_normalization(x, gamma, beta, epsilon):
-    """`keras.ops.layer_normalization` over the last axis.
-
-    Works around: the op is missing before Keras 3.11 (3.10 has only the
-    layer). Can go when the floor is 3.11 or newer (it is: kept so a user on
-    an unsupported older Keras gets the same numbers, not an AttributeError).
-    """
-    if hasattr(ops, "layer_normalization"):
-        return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
-    x32 = ops.cast(x, "float32")
-    mean = ops.mean(x32, axis=-1, keepdims=True)
-    variance = ops.var(x32, axis=-1, keepdims=True)
-    y = (x32 - mean) * ops.rsqrt(variance + epsilon)
-    return ops.cast(y * ops.cast(gamma, "float32") + ops.cast(beta, "float32"), x.dtype)
-
 
 # --- models and layers ------------------------------------------------------
 
@@ -42,13 +23,13 @@ def flatten_layers(layer):
     """Every sublayer of `layer`, recursively, itself excluded.
 
     Works around: Keras has no public recursive layer walk
-    (`Layer._flatten_layers`, 3.0-3.15)."""
+    (`Layer._flatten_layers`, 3.10-3.15)."""
     return layer._flatten_layers(include_self=False, recursive=True)
 
 
 def call_has_training_arg(model):
     """Whether `model.call` takes `training` (`Layer._call_has_training_arg`,
-    3.0-3.15; Keras' own torch `train_step` reads it)."""
+    3.10-3.15; Keras' own torch `train_step` reads it)."""
     return model._call_has_training_arg
 
 
@@ -62,14 +43,14 @@ def compute_loss(model, x, y, y_pred, sample_weight, training=True):
 
 def loss_tracker(model):
     """The `Mean` metric behind the `loss` log (`Trainer._loss_tracker`,
-    3.0-3.15), which Keras' torch `train_step` updates itself."""
+    3.10-3.15), which Keras' torch `train_step` updates itself."""
     return model._loss_tracker
 
 
 def compiled_losses_and_metrics(model):
     """The losses and metrics the user passed to `compile`, as given
     (`CompileLoss._user_loss`, `CompileMetrics._user_metrics` and
-    `_user_weighted_metrics`, 3.0-3.15)."""
+    `_user_weighted_metrics`, 3.10-3.15)."""
     found = []
     if getattr(model, "_compile_loss", None) is not None:
         found.append(model._compile_loss._user_loss)
@@ -83,7 +64,7 @@ def compiled_losses_and_metrics(model):
 
 def distribute_strategy(model):
     """The tf.distribute strategy the model was built under, or None
-    (`Trainer._distribute_strategy`, TensorFlow backend, 3.0-3.15)."""
+    (`Trainer._distribute_strategy`, TensorFlow backend, 3.10-3.15)."""
     return getattr(model, "_distribute_strategy", None)
 
 
@@ -96,7 +77,7 @@ def in_multi_worker_mode(strategy):
 class TrainerShims:
     """Mixed into `kbert.models.Task` (before `keras.Model`).
 
-    `_maybe_symbolic_build` (Trainer, 3.0-3.15): Keras' TensorFlow trainer
+    `_maybe_symbolic_build` (TensorFlowTrainer, 3.10-3.15): Keras' TensorFlow trainer
     builds the model from a sample batch that it reduces with
     `strategy.reduce` on the nested structure, which
     MultiWorkerMirroredStrategy rejects ("Attempt to convert a value
@@ -132,7 +113,7 @@ def adamw_base():
     subclass falls back to the per-variable update (about 20 kernels and
     several host syncs per variable). So kbert's subclass derives from the
     torch class (`keras.src.backend.torch.optimizers.torch_adamw.AdamW`,
-    3.0-3.15). Can go if Keras dispatches subclasses too."""
+    3.10-3.15). Can go if Keras dispatches subclasses too."""
     if keras.backend.backend() == "torch":
         from keras.src.backend.torch.optimizers import torch_adamw
 
@@ -143,11 +124,11 @@ def adamw_base():
 class OptimizerShims:
     """Mixed into kbert's optimizers, before the Keras class.
 
-    `_clip_gradients` (BaseOptimizer, 3.0-3.15) is the hook Keras calls with
+    `_clip_gradients` (BaseOptimizer, 3.10-3.15) is the hook Keras calls with
     the gradients before the update; kbert routes it to the public
     `clip_gradients(grads)` of the optimizer (replica-exact, sync-free
     clipping). `_parallel_update_step` (the torch parallel optimizers,
-    3.0-3.15) is the multi-tensor update Keras' torch `_backend_update_step`
+    3.10-3.15) is the multi-tensor update Keras' torch `_backend_update_step`
     calls; kbert routes it to `parallel_update(grads, variables,
     learning_rate)` when the optimizer defines one.
     """
@@ -165,14 +146,14 @@ class OptimizerShims:
 
 def learning_rate_object(optimizer):
     """What the optimizer was given as its learning rate: a variable, a
-    schedule or a callable (`BaseOptimizer._learning_rate`, 3.0-3.15; the
+    schedule or a callable (`BaseOptimizer._learning_rate`, 3.10-3.15; the
     public `learning_rate` evaluates it)."""
     return getattr(optimizer, "_learning_rate", None)
 
 
 def iterations_variable(optimizer):
     """The step counter variable itself (`BaseOptimizer._iterations`,
-    3.0-3.15); the public `iterations` is a derived value under gradient
+    3.10-3.15); the public `iterations` is a derived value under gradient
     accumulation."""
     return optimizer._iterations
 
@@ -180,7 +161,7 @@ def iterations_variable(optimizer):
 def adam_slots(optimizer, variables):
     """(momentums, velocities, velocity hats or None) for `variables`, as
     torch tensors (`Adam._momentums`, `_velocities`, `_velocity_hats`,
-    `_get_variable_index`, 3.0-3.15)."""
+    `_get_variable_index`, 3.10-3.15)."""
     index = optimizer._get_variable_index
     m = [torch_value(optimizer._momentums[index(v)]) for v in variables]
     v = [torch_value(optimizer._velocities[index(v)]) for v in variables]
@@ -192,7 +173,7 @@ def adam_slots(optimizer, variables):
 
 def torch_value(variable):
     """A torch Keras variable's parameter tensor (`Variable._value`,
-    3.0-3.15). `variable.value` adds an autocast and symbolic-scope check per
+    3.10-3.15). `variable.value` adds an autocast and symbolic-scope check per
     read (600 reads per BERT-base step) that an optimizer update does not
     need."""
     return variable._value
@@ -223,7 +204,7 @@ _MIXED_CLASSES = {}
 
 def torch_device():
     """Keras' current torch device name (`keras.src.backend.torch.core.get_device`,
-    3.0-3.15; honours `keras.device` scopes)."""
+    3.10-3.15; honours `keras.device` scopes)."""
     from keras.src.backend.torch.core import get_device
 
     return get_device()
@@ -231,7 +212,7 @@ def torch_device():
 
 def autocast_scope(dtype):
     """The scope `Layer.__call__` enters to autocast a layer's inputs
-    (`keras.src.backend.AutocastScope`, 3.0-3.15)."""
+    (`keras.src.backend.AutocastScope`, 3.10-3.15)."""
     from keras.src.backend import AutocastScope
 
     return AutocastScope(dtype)
@@ -239,7 +220,7 @@ def autocast_scope(dtype):
 
 def current_autocast_dtype():
     """The dtype of the active autocast scope, or None
-    (`keras.src.backend.get_autocast_scope`, 3.0-3.15)."""
+    (`keras.src.backend.get_autocast_scope`, 3.10-3.15)."""
     from keras.src.backend import get_autocast_scope
 
     scope = get_autocast_scope()
@@ -313,7 +294,7 @@ def torch_batches_on_host():
     """Within the block, Keras' torch `fit`/`evaluate` make each batch on the
     host (Keras' device scope set to "cpu" around each `next()` of the
     loader), replacing `keras.src.backend.torch.trainer.TorchEpochIterator`
-    with a subclass that overrides `_get_iterator` (3.0-3.15).
+    with a subclass that overrides `_get_iterator` (3.10-3.15).
 
     Works around: Keras' torch data adapters put each batch on the GPU with
     a blocking copy; kbert's step copies host batches without blocking. Can

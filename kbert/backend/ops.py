@@ -71,7 +71,6 @@ import keras
 from keras import ops
 
 from kbert import backend
-from kbert.backend import keras_internals
 
 if backend.is_jax():
     from kbert.backend import jax_ops
@@ -172,7 +171,7 @@ def fused_layer_norm(x, gamma, beta, epsilon):
     """LayerNorm of x over its last axis with (H,) gamma and beta."""
     if backend.is_jax():
         return jax_ops.layer_norm(x, gamma, beta, epsilon)
-    return keras_internals.layer_normalization(x, gamma, beta, epsilon)
+    return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
 
 
 def sublayer_call(layer, *args, **kwargs):

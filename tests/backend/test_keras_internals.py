@@ -71,18 +71,6 @@ def test_private_state_of_a_compiled_model_and_its_optimizer():
     assert optimizer._get_variable_index(variable) == 0
 
 
-def test_version_shim_layer_normalization_matches_keras():
-    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype("float32")
-    gamma, beta = np.full(8, 1.5, "float32"), np.full(8, 0.25, "float32")
-    layer = keras.layers.LayerNormalization(epsilon=1e-12)
-    layer.build(x.shape)
-    layer.gamma.assign(gamma)
-    layer.beta.assign(beta)
-    want = keras.ops.convert_to_numpy(layer(x))
-    got = keras.ops.convert_to_numpy(keras_internals.layer_normalization(x, gamma, beta, 1e-12))
-    np.testing.assert_allclose(got, want, atol=1e-5)
-
-
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch backend's internals")
 def test_torch_backend_internals():
     from keras.src.backend import AutocastScope, get_autocast_scope

@@ -13,7 +13,7 @@ import sys
 
 import kbert_cli
 from kbert import models
-from kbert.convert import huggingface
+from kbert.convert import huggingface, tf_checkpoint
 from kbert.data import MaskingConfig, check_directory
 from kbert.data import create_pretraining_data as create_data
 from kbert.tokenizers import BertTokenizer
@@ -47,7 +47,8 @@ def check_pretraining_data(args):
 
 
 def _load_any(source):
-    """The model a preset or Hugging Face directory holds, with its head."""
+    """The model a preset, Hugging Face or original TF checkpoint directory holds,
+    with its head."""
     task_path = os.path.join(source, "task.json")
     if os.path.isfile(task_path):
         with open(task_path) as f:
@@ -56,6 +57,9 @@ def _load_any(source):
         if not (isinstance(cls, type) and issubclass(cls, models.Task)):
             raise ValueError(f"{task_path} names an unknown task {name!r}")
         return cls.from_preset(source)
+    if tf_checkpoint.is_tf_checkpoint_dir(source):
+        # the original releases are pre-training checkpoints: MLM + NSP heads
+        return models.BertPreTrainer.from_preset(source)
     if huggingface.is_huggingface_dir(source):
         with open(os.path.join(source, "config.json")) as f:
             config = json.load(f)

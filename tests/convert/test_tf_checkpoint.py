@@ -105,3 +105,15 @@ def test_original_checkpoint_with_heads_matches(original_checkpoint):
     )
     assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
     assert np.max(np.abs(y["nsp_logits"] - ref.seq_relationship_logits.numpy())) <= 1e-5
+
+
+def test_cli_converts_an_original_checkpoint(original_checkpoint, tmp_path):
+    from kbert.cli import main
+
+    hf, directory = original_checkpoint
+    assert main(["convert", str(directory), str(tmp_path / "kb")]) == 0
+    converted = kbert.BertPreTrainer.from_preset(tmp_path / "kb")
+    direct = kbert.BertPreTrainer.from_preset(directory)
+    x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
+    x["mask_positions"] = np.array([[1, 2], [3, 4]], "int32")
+    assert harness.max_abs_diff(converted(x), direct(x)) == 0.0

@@ -34,17 +34,28 @@ def add_data_args(p, hub_example, local_help, sample):
     )
 
 
-def add_training_args(p, epochs=3, batch_size=32, learning_rate=5e-5, sequence_length=128):
+def add_training_args(p, full, sample):
+    """The training flags. `full` and `sample` hold the defaults of epochs,
+    batch_size, learning_rate and sequence_length on a full data set and on
+    the small shipped sample (which needs more, smaller steps); see `settle`."""
     p.add_argument(
         "--preset",
         default=default_preset(),
         help="kbert preset, Hugging Face BERT directory or registered name "
         "(default: all-MiniLM-L6-v2)",
     )
-    p.add_argument("--epochs", type=int, default=epochs)
-    p.add_argument("--batch-size", type=int, default=batch_size)
-    p.add_argument("--learning-rate", type=float, default=learning_rate)
-    p.add_argument("--sequence-length", type=int, default=sequence_length)
+    for name, kind in (
+        ("epochs", int),
+        ("batch_size", int),
+        ("learning_rate", float),
+        ("sequence_length", int),
+    ):
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=None,
+            help=f"default: {full[name]}, or {sample[name]} on the shipped sample",
+        )
     p.add_argument(
         "--max-train-examples",
         type=int,
@@ -52,7 +63,9 @@ def add_training_args(p, epochs=3, batch_size=32, learning_rate=5e-5, sequence_l
         help="use only the first N training examples",
     )
     p.add_argument("--max-eval-examples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="epoch order, head initialisation and dropout"
+    )
     p.add_argument("--dtype", default="float32", help="float32, mixed_bfloat16 or mixed_float16")
     p.add_argument(
         "--freeze-backbone",
@@ -69,6 +82,16 @@ def add_training_args(p, epochs=3, batch_size=32, learning_rate=5e-5, sequence_l
     p.add_argument("--output-dir", default=None)
     p.add_argument("--verbose", type=int, default=2)
     return p
+
+
+def settle(args, full, sample, data_path):
+    """Fills the training flags left unset from `sample` when the data is the
+    shipped sample at `data_path`, else from `full`."""
+    on_sample = not args.dataset and os.path.abspath(data_path).startswith(SAMPLES + os.sep)
+    for name, value in (sample if on_sample else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def task_kwargs(args):

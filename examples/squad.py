@@ -9,11 +9,12 @@ Data: with `--dataset`, questions through Hugging Face `datasets` (train and
 validation splits); otherwise SQuAD JSON files, by default a sample that
 ships with kbert: 147 training and 57 evaluation questions from XQuAD-en
 (SQuAD v1.1 dev paragraphs), whole articles in each, so no paragraph is in
-both. Contexts longer than `--sequence-length` become windows
-`--doc-stride` tokens apart. Metrics: SQuAD exact match and F1 with the
-official answer normalisation. With `--version-2`, questions may have no
-answer: the model answers "" when the [CLS] score beats the best span by
-more than `--null-score-threshold`.
+both: it shows the recipe end to end, too few questions to learn the task.
+Contexts longer than `--sequence-length` become windows `--doc-stride`
+tokens apart. Metrics: SQuAD exact match and F1 with the official answer
+normalisation. With `--version-2`, questions may have no answer: the model
+answers "" when the [CLS] score beats the best span by more than
+`--null-score-threshold`.
 """
 
 import argparse
@@ -24,10 +25,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import finetune_common as common  # noqa: E402
+import keras  # noqa: E402
 
 import kbert  # noqa: E402
 from kbert import metrics  # noqa: E402
 from kbert.data.sources import load_squad  # noqa: E402
+
+FULL = dict(epochs=3, batch_size=32, learning_rate=5e-5, sequence_length=384)
+SAMPLE = FULL  # 147 questions are too few to learn the task: the sample checks the pipeline
 
 
 def parse_args(argv=None):
@@ -48,8 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--n-best-size", type=int, default=20)
     p.add_argument("--version-2", action="store_true")
     p.add_argument("--null-score-threshold", type=float, default=0.0)
-    common.add_training_args(p, epochs=3, sequence_length=384, learning_rate=5e-5)
-    return p.parse_args(argv)
+    common.add_training_args(p, FULL, SAMPLE)
+    args = p.parse_args(argv)
+    return common.settle(args, FULL, SAMPLE, args.train_file)
 
 
 def load(args):
@@ -60,6 +66,7 @@ def load(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    keras.utils.set_random_seed(args.seed)  # head initialisation and dropout
     train, evaluation = load(args)
     train, evaluation = train[: args.max_train_examples], evaluation[: args.max_eval_examples]
     model = kbert.BertQuestionAnswerer.from_preset(
@@ -100,6 +107,8 @@ def main(argv=None):
         "train_features": int(len(features.example_index)),
         "eval_questions": len(evaluation),
         "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
         "train_seconds": round(train_seconds, 1),
         **scores,
     }

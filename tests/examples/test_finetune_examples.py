@@ -25,6 +25,7 @@ def test_glue_example_on_its_sample(tmp_path, tiny_preset):
     result = run("glue", tmp_path, tiny_preset, "--sequence-length", "32", *FEW)
     assert result["task"] == "stsb" and result["data"].endswith(os.path.join("data", "glue"))
     assert (result["train_examples"], result["dev_examples"]) == (16, 8)
+    assert result["learning_rate"] == 1e-4  # the sample's default, not a full task's
     assert -1.0 <= result["pearson"] <= 1.0
     assert json.load(open(tmp_path / "results.json"))["pearson"] == result["pearson"]
     restored = keras.saving.load_model(result["model"])
@@ -93,6 +94,7 @@ def test_glue_example_on_the_glue_files(task, tmp_path, tiny_preset):
         *FEW,
     )
     assert 0.0 <= result["accuracy"] <= 1.0 and result["dev_examples"] == 8
+    assert result["learning_rate"] == 5e-5
 
 
 @needs_shared

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 from kbert import backend
 from kbert.layers.adapters import ADAPTER_LAYER_NAMES
-from kbert.presets.registry import PRESETS, download_preset
+from kbert.presets.registry import PRESETS, download_preset, is_hub_handle
 from kbert.presets.weights import weights_dict
 from kbert.utils.files import PresetError, preset_file
 from kbert.version import __version__
@@ -51,13 +51,16 @@ WEIGHTS_FILE = "model.safetensors"
 METADATA_FILE = "metadata.json"
 
 
-def resolve_preset(preset):
-    """A registered name or a directory -> a local directory."""
+def resolve_preset(preset, allow_pickle=False):
+    """A directory, a registered name or a Hub handle (`hf://org/name[@revision]`)
+    -> a local directory; names and handles are downloaded once into the
+    Hugging Face cache (see `kbert.presets.registry`). `allow_pickle` also
+    fetches a Hub repository's pickled `pytorch_model.bin`."""
     preset = os.fspath(preset)
     if os.path.isdir(preset):
         return preset
-    if preset in PRESETS:
-        return download_preset(preset)
+    if is_hub_handle(preset) or preset in PRESETS:
+        return download_preset(preset, allow_pickle=allow_pickle)
     if os.path.exists(preset):
         raise PresetError(f"preset {preset!r} is a file; pass the directory that holds it")
     if os.sep in preset or preset.startswith("."):

@@ -112,9 +112,9 @@ def _hub_settings():
     """Endpoint, cache and offline flag, read from the environment now."""
     from huggingface_hub import constants
 
-    offline = (
-        _env_flag("HF_HUB_OFFLINE") or _env_flag("TRANSFORMERS_OFFLINE") or constants.HF_HUB_OFFLINE
-    )
+    offline = constants.HF_HUB_OFFLINE
+    if os.environ.get("HF_HUB_OFFLINE"):
+        offline = _env_flag("HF_HUB_OFFLINE")
     return {
         "endpoint": os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT,
         "cache_dir": os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE,
@@ -182,17 +182,16 @@ def _snapshot(preset, handle, repo_id, revision, allow_pickle, token):
             "log in (`hf auth login`) or set HF_TOKEN"
         ) from e
     except LocalEntryNotFoundError as e:
-        why = (
-            "HF_HUB_OFFLINE is set"
-            if settings["local_files_only"]
-            else f"{settings['endpoint']} could not be reached"
-        )
+        if settings["local_files_only"]:
+            why, retry = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE to download it"
+        else:
+            why = f"{settings['endpoint']} could not be reached"
+            retry = "check the network (and HF_ENDPOINT) and retry"
         raise OSError(
-            f"could not download preset {preset!r}: {why} and the Hugging Face cache "
-            f"({settings['cache_dir']}) holds no complete copy of {handle}. Connect and retry "
-            "(unset HF_HUB_OFFLINE; check HF_ENDPOINT), or fetch the files elsewhere "
-            f"(`hf download {repo_id}`) and pass their directory instead, e.g. "
-            "BertBackbone.from_preset('/path/to/dir')"
+            f"could not load preset {preset!r}: {why} and the Hugging Face cache "
+            f"({settings['cache_dir']}) holds no complete copy of {handle}. Either {retry}, "
+            f"or fetch the files elsewhere (`hf download {repo_id}`) and pass their directory "
+            "instead, e.g. BertBackbone.from_preset('/path/to/dir')"
         ) from e
     except HfHubHTTPError as e:
         raise OSError(

@@ -99,6 +99,9 @@ class BertPreprocessor(keras.layers.Layer):
                 "vocabulary": tok.vocabulary,
                 "lowercase": tok.lowercase,
                 "max_input_chars_per_word": tok.max_input_chars_per_word,
+                "rules": tok.rules,
+                "strip_accents": tok.strip_accents,
+                "tokenize_chinese_chars": tok.tokenize_chinese_chars,
                 **{f"{k}_token": v for k, v in tok.special_tokens.items()},
             },
             sequence_length=self.sequence_length,
@@ -115,8 +118,15 @@ class BertPreprocessor(keras.layers.Layer):
         return files + [PREPROCESSOR_FILE]
 
     @classmethod
-    def from_directory(cls, directory, default_sequence_length=128):
-        """From tokenizer files in a preset, Hugging Face or keras-hub directory, or None."""
+    def from_directory(cls, directory, default_sequence_length=128, rules=None):
+        """From tokenizer files in a preset, Hugging Face, original TF checkpoint or
+        keras-hub directory, or None.
+
+        The tokenization rules are those recorded in a kbert preset ("original"
+        when it records none), "transformers" for a Hugging Face directory and
+        "original" for an original TF checkpoint; `rules` overrides them (see
+        `kbert.tokenizers.wordpiece.detect_rules`).
+        """
         if not os.path.isfile(os.path.join(directory, "vocab.txt")):
             tokenizer = (
                 keras_hub.load_tokenizer(directory)
@@ -129,7 +139,7 @@ class BertPreprocessor(keras.layers.Layer):
         if os.path.isfile(path):
             with open(path) as f:
                 sequence_length = json.load(f).get("sequence_length", sequence_length)
-        return cls(BertTokenizer.load(directory), sequence_length)
+        return cls(BertTokenizer.load(directory, rules=rules), sequence_length)
 
 
 def _is_tf_tensor(value):

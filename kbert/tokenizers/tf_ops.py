@@ -1,17 +1,22 @@
 """The in-graph (tf.data) path of BertTokenizer: tf.strings + tensorflow-text.
 
 Same character classes as the Python path (RE2 syntax), then
-FastWordpieceTokenizer on the pre-split words. Two things differ between the
+FastWordpieceTokenizer on the pre-split words. Three things differ between the
 engines and are corrected here:
 - TensorFlow's ICU may be older than Python's Unicode tables, so a few
   characters do not lowercase the same; those are found once per process by
   comparing both and fixed with explicit replacements;
+- tensorflow-text's ICU may be newer than Python's Unicode tables, so a few
+  code points unassigned for Python (kept by the original rules) decompose
+  under its NFD; those are found once per process the same way and kept out of
+  the NFD;
 - FastWordpieceTokenizer limits words in bytes; the reference limits them in
   characters, so long words are replaced by [UNK] here by character count.
 Imported lazily: `import kbert` does not import TensorFlow.
 """
 
 import functools
+import re
 import sys
 import unicodedata
 
@@ -22,9 +27,9 @@ from kbert.tokenizers import unicode_tables as ut
 
 
 @functools.lru_cache(maxsize=None)
-def _patterns():
+def _patterns(rules):
     return {
-        "delete": ut.char_class("delete", "re2"),
+        "delete": ut.char_class(ut.DELETE_TABLE[rules], "re2"),
         "whitespace": ut.char_class("whitespace", "re2"),
         "cjk": ut.char_class("cjk", "re2"),
         "mn": ut.char_class("mn", "re2"),
@@ -37,28 +42,89 @@ def _patterns():
 
 
 @functools.lru_cache(maxsize=None)
-def lowercase_fixups():
-    """[(char, python_lower)] where tf.strings.lower disagrees with str.lower."""
-    chars = [
+def _kept_chars():
+    """Every code point some rule set keeps: all but surrogates and Cc/Cf."""
+    return [
         chr(cp)
         for cp in range(sys.maxunicode + 1)
-        if not (0xD800 <= cp < 0xE000) and not unicodedata.category(chr(cp)).startswith("C")
+        if not (0xD800 <= cp < 0xE000) and unicodedata.category(chr(cp)) not in ("Cc", "Cf")
     ]
+
+
+@functools.lru_cache(maxsize=None)
+def lowercase_fixups():
+    """[(char, python_lower)] where tf.strings.lower disagrees with str.lower."""
+    chars = _kept_chars()
     with tf.init_scope():  # eager, also when first called inside tf.data / tf.function
         lowered = tf.strings.lower(tf.constant(chars), encoding="utf-8").numpy()
-    return tuple((c, c.lower()) for c, l in zip(chars, lowered) if l.decode("utf-8") != c.lower())
+    fixups = tuple((c, c.lower()) for c, l in zip(chars, lowered) if l.decode("utf-8") != c.lower())
+    # The replacement runs after tf.strings.lower, so it must have left these alone.
+    changed = [c for c, _ in fixups if c.lower() != c and tf_lower_changes(c)]
+    if changed:
+        raise NotImplementedError(
+            f"tf.strings.lower changes {changed[:5]!r} differently from str.lower; "
+            "this TensorFlow/Python pair needs a new lowercase correction"
+        )
+    return fixups
+
+
+def tf_lower_changes(char):
+    with tf.init_scope():
+        return tf.strings.lower(char, encoding="utf-8").numpy().decode("utf-8") != char
+
+
+@functools.lru_cache(maxsize=None)
+def nfd_exceptions():
+    """Characters whose tensorflow-text NFD differs from unicodedata's (which leaves them)."""
+    chars = _kept_chars()
+    with tf.init_scope():
+        decomposed = tf_text.normalize_utf8(tf.constant(chars), "NFD").numpy()
+    out = []
+    for c, d in zip(chars, decomposed):
+        if d.decode("utf-8") != unicodedata.normalize("NFD", c):
+            if unicodedata.normalize("NFD", c) != c:
+                raise NotImplementedError(
+                    f"tensorflow-text's NFD of U+{ord(c):04X} differs from unicodedata's; "
+                    "this TensorFlow/Python pair needs a new NFD correction"
+                )
+            out.append(c)
+    return tuple(out)
+
+
+def _nfd(x, exceptions):
+    """tf_text NFD that leaves the `exceptions` characters as they are."""
+    if not exceptions:
+        return tf_text.normalize_utf8(x, "NFD")
+    keep = "[" + "".join(_escape(c) for c in exceptions) + "]"
+
+    def guarded(y):
+        # Split around each exception, decompose the other pieces, join again.
+        pieces = tf_text.regex_split(y, keep, keep)  # (B, (S))
+        flat = pieces.flat_values
+        is_kept = tf.strings.regex_full_match(flat, keep)
+        flat = tf.where(is_kept, flat, tf_text.normalize_utf8(flat, "NFD"))
+        return tf.strings.reduce_join(pieces.with_flat_values(flat), axis=-1)
+
+    needed = tf.reduce_any(tf.strings.regex_full_match(x, f"(?s).*{keep}.*"))
+    return tf.cond(needed, lambda: guarded(x), lambda: tf_text.normalize_utf8(x, "NFD"))
 
 
 def _escape(char):
     return f"\\x{{{ord(char):X}}}"
 
 
-def normalize(strings, lowercase):
+def normalize(
+    strings, lowercase, rules="original", strip_accents=None, tokenize_chinese_chars=True
+):
     """tf.string tensor -> the reference normalisation (see BertTokenizer.normalize)."""
-    p = _patterns()
+    p = _patterns(rules)
+    strip = lowercase if strip_accents is None else strip_accents
     x = tf.strings.regex_replace(strings, p["delete"], "")
     x = tf.strings.regex_replace(x, p["whitespace"], " ")
-    x = tf.strings.regex_replace(x, p["cjk"], " \\0 ")
+    if tokenize_chinese_chars:
+        x = tf.strings.regex_replace(x, p["cjk"], " \\0 ")
+    if rules == "transformers":
+        x = tf_text.normalize_utf8(x, "NFC")
     if lowercase:
         x = tf.strings.lower(x, encoding="utf-8")
         fixups = lowercase_fixups()
@@ -72,15 +138,23 @@ def normalize(strings, lowercase):
 
             any_needed = tf.reduce_any(tf.strings.regex_full_match(x, f"(?s).*{needs}.*"))
             x = tf.cond(any_needed, lambda: fix(x), lambda: x)
-        x = tf_text.normalize_utf8(x, "NFD")
+    if strip:
+        # Characters deleted by the rules never reach the NFD.
+        exceptions = tuple(c for c in nfd_exceptions() if not re.fullmatch(_deleted(rules), c))
+        x = _nfd(x, exceptions)
         x = tf.strings.regex_replace(x, p["mn"], "")
     return x
 
 
-def split_words(strings, lowercase):
+@functools.lru_cache(maxsize=None)
+def _deleted(rules):
+    return ut.char_class(ut.DELETE_TABLE[rules])
+
+
+def split_words(strings, lowercase, **rules):
     """[B] strings -> [B, (W)] ragged words and punctuation marks."""
-    p = _patterns()
-    x = normalize(strings, lowercase)
+    p = _patterns(rules.get("rules", "original"))
+    x = normalize(strings, lowercase, **rules)
     words = tf_text.regex_split(x, p["separators"], p["punctuation"])
     return words
 
@@ -88,8 +162,22 @@ def split_words(strings, lowercase):
 class TFWordpiece:
     """[B] strings -> [B, (T)] ragged int32 ids; built once per tokenizer."""
 
-    def __init__(self, vocabulary, lowercase, unk_token, max_input_chars_per_word):
+    def __init__(
+        self,
+        vocabulary,
+        lowercase,
+        unk_token,
+        max_input_chars_per_word,
+        rules="original",
+        strip_accents=None,
+        tokenize_chinese_chars=True,
+    ):
         self.lowercase = lowercase
+        self.rules = {
+            "rules": rules,
+            "strip_accents": strip_accents,
+            "tokenize_chinese_chars": tokenize_chinese_chars,
+        }
         self.unk_token = unk_token
         self.max_chars = max_input_chars_per_word
         self.wordpiece = tf_text.FastWordpieceTokenizer(
@@ -107,7 +195,7 @@ class TFWordpiece:
         scalar = strings.shape.rank == 0
         if scalar:
             strings = strings[None]
-        words = split_words(strings, self.lowercase)  # (B, W)
+        words = split_words(strings, self.lowercase, **self.rules)  # (B, W)
         too_long = tf.strings.length(words.flat_values, unit="UTF8_CHAR") > self.max_chars
         flat = tf.where(too_long, self.unk_token, words.flat_values)
         words = words.with_flat_values(flat)

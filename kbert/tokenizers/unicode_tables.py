@@ -1,12 +1,16 @@
-"""Character classes of the reference BERT tokenizer, from Python's `unicodedata`.
+"""Character classes of the two BERT tokenization rule sets, from Python's `unicodedata`.
 
-The original `tokenization.py` decides per character with `unicodedata`:
-- deleted: NUL, U+FFFD and control characters (category C*, except \\t \\n \\r);
+Both rule sets decide per character with `unicodedata`, as their Python code does:
+- deleted: NUL, U+FFFD and "control" characters except \\t \\n \\r. The original
+  BERT `tokenization.py` counts categories Cc and Cf as control (`delete`), so
+  unassigned (Cn), private-use (Co) and surrogate (Cs) code points stay and end
+  up as [UNK]; transformers' `BasicTokenizer` counts every C* category
+  (`delete_all_c`);
 - whitespace (mapped to a space): space, \\t, \\n, \\r and category Zs;
 - CJK ideographs get spaces around them (the ranges below);
 - punctuation (a token on its own): ASCII 33-47, 58-64, 91-96, 123-126, and P*;
 - accents stripped when lowercasing: category Mn after NFD.
-The classes are built from the same `unicodedata` the reference uses, then
+The classes are built from the same `unicodedata` the references use, then
 written both as Python `re` and as RE2 (tf.data) patterns, so that the two
 paths cannot drift apart on any code point.
 """
@@ -26,6 +30,9 @@ CJK_RANGES = (
     (0x2F800, 0x2FA1F),
 )
 
+# The deletion table of each rule set (see the module docstring).
+DELETE_TABLE = {"original": "delete", "transformers": "delete_all_c"}
+
 
 def _ranges(codepoints):
     """Sorted code points -> [(start, end)] inclusive runs."""
@@ -40,14 +47,17 @@ def _ranges(codepoints):
 
 @functools.lru_cache(maxsize=None)
 def tables():
-    delete, whitespace, punctuation, mn, split_space = [], [], [], [], []
+    delete, delete_all_c, whitespace, punctuation, mn, split_space = [], [], [], [], [], []
     for cp in range(sys.maxunicode + 1):
         char = chr(cp)
         category = unicodedata.category(char)
         if char in " \t\n\r" or category == "Zs":
             whitespace.append(cp)
-        elif cp == 0 or cp == 0xFFFD or category.startswith("C"):
-            delete.append(cp)
+        else:
+            if cp == 0 or cp == 0xFFFD or category in ("Cc", "Cf"):
+                delete.append(cp)
+            if cp == 0 or cp == 0xFFFD or category.startswith("C"):
+                delete_all_c.append(cp)
         if (
             (33 <= cp <= 47)
             or (58 <= cp <= 64)
@@ -62,6 +72,7 @@ def tables():
             split_space.append(cp)
     return {
         "delete": _ranges(delete),
+        "delete_all_c": _ranges(delete_all_c),
         "whitespace": _ranges(whitespace),
         "punctuation": _ranges(punctuation),
         "mn": _ranges(mn),

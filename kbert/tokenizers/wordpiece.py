@@ -1,12 +1,22 @@
 """BertTokenizer: the reference BERT WordPiece tokenization, fast.
 
-The reference is the original BERT `tokenization.py`: clean text, spaces around
-CJK ideographs, lowercase + strip accents when uncased, split on whitespace and
-punctuation, then greedy longest-match-first WordPiece with `##` continuations
-and [UNK] for words longer than 100 characters or with no match.
+Two rule sets, chosen by `rules`:
+- "original": google-research/bert `tokenization.py` (FullTokenizer): delete
+  NUL, U+FFFD and Cc/Cf characters, map whitespace to spaces, put spaces around
+  CJK ideographs, lowercase + strip accents (NFD, drop Mn) when uncased, split
+  on whitespace and punctuation, then greedy longest-match-first WordPiece with
+  `##` continuations and [UNK] for words longer than 200 characters or with no
+  match. Unassigned, private-use and surrogate code points are kept (-> [UNK]).
+- "transformers": transformers' Python `BertTokenizer` (BasicTokenizer +
+  WordpieceTokenizer): the same, except that every C* character is deleted
+  (Cn, Co and Cs too), the text is NFC-normalised after the CJK spacing, words
+  longer than 100 characters are [UNK], and `strip_accents` /
+  `tokenize_chinese_chars` can be set apart from the casing. Special-token
+  strings written in the text (`"[SEP]"`) are plain text here, as with
+  transformers' `split_special_tokens=True`: user text cannot inject them.
 
 Normalisation and splitting run as compiled regular expressions built from the
-reference's own `unicodedata` character classes (`unicode_tables`); WordPiece
+references' own `unicodedata` character classes (`unicode_tables`); WordPiece
 runs in the Rust `tokenizers` engine on the pre-split words. The tf.data path
 (`tf_tokenize`) uses the same character classes as RE2 patterns.
 """
@@ -29,15 +39,19 @@ from kbert.utils.files import preset_file
 _CACHE_SIZE = 1 << 20
 VOCAB_FILE = "vocab.txt"
 CONFIG_FILE = "tokenizer_config.json"
+RULES = ("original", "transformers")
+# WordpieceTokenizer's default word limit in each reference.
+MAX_CHARS_PER_WORD = {"original": 200, "transformers": 100}
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Patterns:
-    """Compiled Python regexes of the reference character classes (built once)."""
+    """Compiled Python regexes of the reference character classes (built once per rules)."""
 
-    _instance = None
+    _instances = {}
 
-    def __init__(self):
-        self.delete = re.compile(ut.char_class("delete") + "+")
+    def __init__(self, rules):
+        self.delete = re.compile(ut.char_class(ut.DELETE_TABLE[rules]) + "+")
         self.whitespace = re.compile(ut.char_class("whitespace"))
         self.cjk = re.compile(ut.char_class("cjk"))
         self.mn = re.compile(ut.char_class("mn") + "+")
@@ -49,10 +63,10 @@ class _Patterns:
         self.ascii_words = re.compile(r"[!-/:-@\[-`{-~]|[^\s!-/:-@\[-`{-~]+")
 
     @classmethod
-    def get(cls):
-        if cls._instance is None:
-            cls._instance = _Patterns()
-        return cls._instance
+    def get(cls, rules):
+        if rules not in cls._instances:
+            cls._instances[rules] = _Patterns(rules)
+        return cls._instances[rules]
 
 
 class BertTokenizer:
@@ -61,9 +75,18 @@ class BertTokenizer:
     Args:
         vocabulary: str, path or list. a `vocab.txt` path or the tokens in id order.
         lowercase: bool. lowercase and strip accents (uncased checkpoints).
-        max_input_chars_per_word: int. longer words become [UNK].
+        max_input_chars_per_word: int or None. longer words become [UNK]; None
+            takes the reference's own limit (200 "original", 100 "transformers").
         unk_token, cls_token, sep_token, pad_token, mask_token: str. special
             token names, which must be in the vocabulary.
+        rules: str. "original" (google-research/bert `tokenization.py`) or
+            "transformers" (transformers' Python `BertTokenizer`); see the module
+            docstring for the differences.
+        strip_accents: bool or None. None strips accents exactly when lowercasing
+            (both references); True or False overrides it, as transformers'
+            `strip_accents` does.
+        tokenize_chinese_chars: bool. spaces around CJK ideographs (both
+            references); False as transformers' `tokenize_chinese_chars=False`.
 
     Example:
     >>> vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "!", "wor", "##ld"]
@@ -76,13 +99,22 @@ class BertTokenizer:
         self,
         vocabulary,
         lowercase=True,
-        max_input_chars_per_word=100,
+        max_input_chars_per_word=None,
         unk_token="[UNK]",
         cls_token="[CLS]",
         sep_token="[SEP]",
         pad_token="[PAD]",
         mask_token="[MASK]",
+        rules="original",
+        strip_accents=None,
+        tokenize_chinese_chars=True,
     ):
+        if rules not in RULES:
+            raise ValueError(
+                f"rules={rules!r} is not a BERT rule set; pass rules='original' "
+                "(google-research/bert tokenization.py) or rules='transformers' "
+                "(transformers' BertTokenizer)"
+            )
         self.vocabulary = load_vocabulary(vocabulary)
         self.special_tokens = {
             "pad": pad_token,
@@ -92,15 +124,23 @@ class BertTokenizer:
             "mask": mask_token,
         }
         check_special_tokens(self.vocabulary, tuple(self.special_tokens.values()))
+        self.rules = rules
         self.lowercase = bool(lowercase)
+        self.strip_accents = None if strip_accents is None else bool(strip_accents)
+        self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
+        if max_input_chars_per_word is None:
+            max_input_chars_per_word = MAX_CHARS_PER_WORD[rules]
         self.max_input_chars_per_word = int(max_input_chars_per_word)
+        # Both references strip accents after lowercasing only, unless told otherwise.
+        self._strip = self.lowercase if self.strip_accents is None else self.strip_accents
+        self._nfc = rules == "transformers"
         self._token_to_id = {t: i for i, t in enumerate(self.vocabulary)}
         self.pad_id = self._token_to_id[pad_token]
         self.unk_id = self._token_to_id[unk_token]
         self.cls_id = self._token_to_id[cls_token]
         self.sep_id = self._token_to_id[sep_token]
         self.mask_id = self._token_to_id[mask_token]
-        self._patterns = _Patterns.get()
+        self._patterns = _Patterns.get(rules)
         self._engine = self._build_engine()
         self._cache = {}
         self._tf = None
@@ -112,7 +152,7 @@ class BertTokenizer:
         from tokenizers.models import WordPiece
 
         model = WordPiece(
-            dict(self._token_to_id),
+            {t: i for t, i in self._token_to_id.items() if not _SURROGATE.search(t)},
             unk_token=self.special_tokens["unk"],
             continuing_subword_prefix="##",
             max_input_chars_per_word=self.max_input_chars_per_word,
@@ -128,6 +168,9 @@ class BertTokenizer:
             "lowercase": self.lowercase,
             "do_lower_case": self.lowercase,
             "max_input_chars_per_word": self.max_input_chars_per_word,
+            "rules": self.rules,
+            "strip_accents": self.strip_accents,
+            "tokenize_chinese_chars": self.tokenize_chinese_chars,
             **{f"{k}_token": v for k, v in self.special_tokens.items()},
         }
 
@@ -140,45 +183,57 @@ class BertTokenizer:
         return [VOCAB_FILE, CONFIG_FILE]
 
     @classmethod
-    def load(cls, directory):
-        """From a kbert preset or Hugging Face directory (vocab.txt + config)."""
+    def load(cls, directory, rules=None):
+        """From a kbert preset, Hugging Face or original TF checkpoint directory.
+
+        The rules are the recorded ones (kbert presets), "transformers" for a
+        Hugging Face directory, "original" otherwise (see `detect_rules`);
+        `rules` overrides them.
+        """
         vocab = preset_file(directory, VOCAB_FILE)
         if not os.path.isfile(vocab):
             raise ValueError(f"{directory!r} has no {VOCAB_FILE}")
-        config = {}
-        config_path = preset_file(directory, CONFIG_FILE)
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+        config = _read_json(directory, CONFIG_FILE) or {}
+        rules = rules or detect_rules(directory)
         # Original Google releases carry the casing only in their name (cased_L-12_H-768_A-12).
         name = os.path.basename(os.path.normpath(directory)).lower()
         default = not (name.startswith("cased") or "_cased" in name or "-cased" in name)
-        kwargs = {"lowercase": config.get("lowercase", config.get("do_lower_case", default))}
+        kwargs = {
+            "lowercase": config.get("lowercase", config.get("do_lower_case", default)),
+            "rules": rules,
+        }
         for key in ("unk_token", "cls_token", "sep_token", "pad_token", "mask_token"):
             if isinstance(config.get(key), str):
                 kwargs[key] = config[key]
-        if "max_input_chars_per_word" in config:
-            kwargs["max_input_chars_per_word"] = config["max_input_chars_per_word"]
+        for key in ("max_input_chars_per_word", "strip_accents", "tokenize_chinese_chars"):
+            if config.get(key) is not None:
+                kwargs[key] = config[key]
         return cls(vocab, **kwargs)
 
     # --- text -> ids --------------------------------------------------------
 
     def normalize(self, text):
-        """The reference's text cleaning, CJK spacing, lowercasing and accent stripping."""
+        """The reference's text cleaning, CJK spacing, (NFC,) lowercasing and accent stripping."""
         if not isinstance(text, str):
             raise TypeError(f"tokenizer input must be str, got {type(text).__name__}")
         p = self._patterns
         if text.isascii():
+            # ASCII holds no Zs, Cf, Cn, Co or Cs, is NFC, and has no accents.
             if not text.isprintable():
                 text = p.ascii_whitespace.sub(" ", p.ascii_controls.sub("", text))
             return text.lower() if self.lowercase else text
         # Only non-printable text can hold C*/Z* characters; U+FFFD is printable
-        # but deleted by the reference too.
+        # but deleted by the references too.
         if not text.isprintable() or "\ufffd" in text:
             text = p.whitespace.sub(" ", p.delete.sub("", text))
-        text = p.cjk.sub(r" \g<0> ", text)
+        if self.tokenize_chinese_chars:
+            text = p.cjk.sub(r" \g<0> ", text)
+        if self._nfc and not unicodedata.is_normalized("NFC", text):
+            text = unicodedata.normalize("NFC", text)
         if self.lowercase:
-            text = p.mn.sub("", unicodedata.normalize("NFD", text.lower()))
+            text = text.lower()
+        if self._strip:
+            text = p.mn.sub("", unicodedata.normalize("NFD", text))
         return text
 
     def split_words(self, text):
@@ -195,6 +250,38 @@ class BertTokenizer:
         inputs = list(inputs)
         return self._tokenize_batch(inputs)
 
+    def _encode_words(self, words):
+        """WordPiece ids of each word, in Rust; in Python for words with lone
+        surrogates (kept by the original rules), which Rust strings cannot hold."""
+        rust = [w for w in words if not _SURROGATE.search(w)]
+        encodings = self._engine.encode_batch(
+            [[w] for w in rust], is_pretokenized=True, add_special_tokens=False
+        )
+        out = dict(zip(rust, ([e.ids, e.offsets] for e in encodings)))
+        for word in words:
+            if word not in out:
+                out[word] = self._python_wordpiece(word)
+        return [out[w] for w in words]
+
+    def _python_wordpiece(self, word):
+        """[ids, offsets] of greedy longest-match-first WordPiece (the reference loop)."""
+        if len(word) > self.max_input_chars_per_word:
+            return [[self.unk_id], [(0, len(word))]]
+        ids, offsets, start = [], [], 0
+        while start < len(word):
+            end = len(word)
+            while end > start:
+                piece = word[start:end] if start == 0 else "##" + word[start:end]
+                if piece in self._token_to_id:
+                    break
+                end -= 1
+            if end == start:
+                return [[self.unk_id], [(0, len(word))]]
+            ids.append(self._token_to_id[piece])
+            offsets.append((start, end))
+            start = end
+        return [ids, offsets]
+
     def _word_ids(self, words):
         """Fills the word -> ids cache for `words` (WordPiece in Rust for new words)."""
         cache = self._cache
@@ -202,11 +289,8 @@ class BertTokenizer:
         if new:
             if len(cache) + len(new) > _CACHE_SIZE:
                 cache.clear()
-            encodings = self._engine.encode_batch(
-                [[w] for w in new], is_pretokenized=True, add_special_tokens=False
-            )
-            for w, e in zip(new, encodings):
-                cache[w] = e.ids
+            for w, (ids, _) in zip(new, self._encode_words(new)):
+                cache[w] = ids
         return cache
 
     def _tokenize_batch(self, texts):
@@ -231,14 +315,9 @@ class BertTokenizer:
         normalized, origin = self._normalize_with_origin(text)
         word_spans = [m.span() for m in self._patterns.words.finditer(normalized)]
         words = [normalized[s:e] for s, e in word_spans]
-        if words:
-            encodings = self._engine.encode_batch(
-                [[w] for w in words], is_pretokenized=True, add_special_tokens=False
-            )
-        else:
-            encodings = []
-        for (start, end), encoding in zip(word_spans, encodings):
-            for piece_start, piece_end in encoding.offsets:
+        encodings = self._encode_words(words) if words else []
+        for (start, end), (_, piece_offsets) in zip(word_spans, encodings):
+            for piece_start, piece_end in piece_offsets:
                 s, e = start + piece_start, start + piece_end
                 starts.append(origin[s])
                 ends.append(origin[e - 1] + 1)
@@ -301,6 +380,9 @@ class BertTokenizer:
                     self.lowercase,
                     self.special_tokens["unk"],
                     self.max_input_chars_per_word,
+                    rules=self.rules,
+                    strip_accents=self._strip,
+                    tokenize_chinese_chars=self.tokenize_chinese_chars,
                 )
         return self._tf(strings)
 
@@ -361,6 +443,48 @@ class BertTokenizer:
         first = self.tokenize(list(texts))
         second = self.tokenize(list(pairs)) if pairs is not None else None
         return self.pack(first, second, sequence_length)
+
+
+def _read_json(directory, name):
+    path = preset_file(directory, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def detect_rules(directory):
+    """The rules a tokenizer directory was made with.
+
+    The recorded `rules` of a kbert preset; "original" for a kbert preset that
+    predates them (its tokenizer_config.json has kbert's `lowercase` key, or the
+    directory has kbert's metadata.json / preprocessor.json); "transformers" for
+    a Hugging Face directory (a transformers tokenizer_config.json or
+    tokenizer.json, or a config.json with `model_type: bert`); "original"
+    otherwise (an original TF checkpoint: vocab.txt + bert_config.json).
+    """
+    config = _read_json(directory, CONFIG_FILE)
+    if isinstance(config, dict) and config.get("rules") is not None:
+        if config["rules"] not in RULES:
+            raise ValueError(
+                f"{os.path.join(directory, CONFIG_FILE)} records rules={config['rules']!r}; "
+                f"expected one of {RULES}: fix the file or pass rules=..."
+            )
+        return config["rules"]
+    kbert_files = ("metadata.json", "preprocessor.json")
+    if (isinstance(config, dict) and "lowercase" in config) or any(
+        os.path.isfile(preset_file(directory, f)) for f in kbert_files
+    ):
+        return "original"
+    if isinstance(config, dict):
+        return "transformers"
+    tokenizer_json = _read_json(directory, "tokenizer.json")
+    if isinstance(tokenizer_json, dict) and "model" in tokenizer_json:
+        return "transformers"
+    model_config = _read_json(directory, "config.json")
+    if isinstance(model_config, dict) and model_config.get("model_type") == "bert":
+        return "transformers"
+    return "original"
 
 
 def truncate_pair(a, b, max_tokens):

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kbert.tokenizers import BertTokenizer, train_wordpiece_vocabulary, truncate_pair
-from tests.tokenizers.reference import ReferenceTokenizer, data_dir, minilm_vocab, shared_texts
+from tests.tokenizers.reference import data_dir, minilm_vocab, reference, shared_texts
 
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("tensorflow_text")
@@ -43,12 +43,14 @@ def _mismatches(tokenizer, texts, reference_ids):
 
 @needs_data
 @pytest.mark.large
+@pytest.mark.parametrize("rules", ["original", "transformers"])
 @pytest.mark.parametrize("which", ["uncased", "cased"])
-def test_zero_mismatches_on_shared_data(which, request, texts):
-    tokenizer = request.getfixturevalue(which)
-    reference = ReferenceTokenizer(tokenizer.vocabulary, tokenizer.lowercase)
+def test_zero_mismatches_on_shared_data(which, rules, request, texts):
+    base = request.getfixturevalue(which)
+    tokenizer = BertTokenizer(base.vocabulary, lowercase=base.lowercase, rules=rules)
+    ref = reference(tokenizer)
     assert len(texts) > 140_000
-    bad = _mismatches(tokenizer, texts, [reference(t) for t in texts])
+    bad = _mismatches(tokenizer, texts, [ref(t) for t in texts])
     assert not bad, bad[:5]
     in_graph = tokenizer.tf_tokenize(tf.constant(texts)).to_list()
     bad_tf = [t for t, a, b in zip(texts, tokenizer.tokenize(texts), in_graph) if a != b]
@@ -57,16 +59,18 @@ def test_zero_mismatches_on_shared_data(which, request, texts):
 
 @needs_data
 @pytest.mark.large
-def test_agrees_with_transformers_bert_tokenizer(uncased, texts):
+def test_agrees_with_transformers_bert_tokenizer(texts):
     """transformers.BertTokenizer (Rust) lowercases character by character, so a
-    word-final capital sigma becomes σ instead of the reference's ς; every
-    other text must agree exactly."""
+    word-final capital sigma becomes σ instead of the Python rules' ς; every
+    other text must agree exactly with rules="transformers"."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.BertTokenizer.from_pretrained(os.path.dirname(minilm_vocab()))
-    extra = ["ΟΔΟΣ", "Σ", "naïve café", "\u0085x\u0085", "a\u2028b"]
+    ours = BertTokenizer.load(os.path.dirname(minilm_vocab()))
+    assert ours.rules == "transformers"
+    extra = ["ΟΔΟΣ", "Σ", "naïve café", "\u0085x\u0085", "a\u2028b", "e\u0301"]
     sample = texts + extra
     theirs = hf(sample, add_special_tokens=False)["input_ids"]
-    bad = [t for t, a, b in zip(sample, uncased.tokenize(sample), theirs) if a != b]
+    bad = [t for t, a, b in zip(sample, ours.tokenize(sample), theirs) if a != b]
     assert "ΟΔΟΣ" in bad  # the known deviation is real...
     assert all("Σ" in t for t in bad), [t for t in bad if "Σ" not in t][:5]  # ...and the only one
 
@@ -105,10 +109,10 @@ fuzz_text = st.one_of(hard_text, hard_text, any_text, url, long_word)
 @given(batch=st.lists(fuzz_text, min_size=100, max_size=100))
 def test_fuzz_against_reference_and_tf(uncased, batch):
     """100 examples x 100 strings = 10,000 fuzzed strings."""
-    reference = ReferenceTokenizer(uncased.vocabulary, True)
+    ref = reference(uncased)
     ours = uncased.tokenize(batch)
     for text, ids in zip(batch, ours):
-        assert ids == reference(text), repr(text)
+        assert ids == ref(text), repr(text)
     in_graph = uncased.tf_tokenize(tf.constant([t.encode("utf-8") for t in batch])).to_list()
     for text, a, b in zip(batch, ours, in_graph):
         assert a == b, repr(text)
@@ -127,14 +131,14 @@ def test_empty_whitespace_and_huge_strings(uncased):
     assert uncased(huge, sequence_length=16)["padding_mask"].sum() == 16
 
 
-def test_long_word_is_unknown_by_characters(uncased):
-    assert uncased.tokenize("a" * 101) == [uncased.unk_id]
-    assert uncased.tokenize("é" * 100) != [uncased.unk_id] or uncased.tokenize("e" * 100) == [
-        uncased.unk_id
-    ]
-    assert uncased.tf_tokenize(["a" * 101, "é" * 40]).to_list() == uncased.tokenize(
-        ["a" * 101, "é" * 40]
-    )
+@pytest.mark.parametrize("rules, limit", [("original", 200), ("transformers", 100)])
+def test_long_word_is_unknown_by_characters(uncased, rules, limit):
+    tok = BertTokenizer(uncased.vocabulary, rules=rules)
+    assert tok.max_input_chars_per_word == limit
+    assert tok.tokenize("a" * (limit + 1)) == [tok.unk_id]
+    assert tok.tokenize("a" * limit) != [tok.unk_id]
+    words = ["a" * (limit + 1), "é" * 40, "é" * limit]
+    assert tok.tf_tokenize(words).to_list() == tok.tokenize(words)
 
 
 def test_pair_packing(uncased):
@@ -209,9 +213,10 @@ def test_save_and_load(uncased, tmp_path):
     uncased.save(tmp_path)
     again = BertTokenizer.load(tmp_path)
     assert again.vocabulary == uncased.vocabulary and again.lowercase
+    assert again.rules == "original"
     # A Hugging Face directory (do_lower_case in tokenizer_config.json) loads too.
     hf = BertTokenizer.load(os.path.dirname(minilm_vocab()))
-    assert hf.lowercase and hf.vocabulary_size == 30522
+    assert hf.lowercase and hf.vocabulary_size == 30522 and hf.rules == "transformers"
 
 
 def test_trained_vocabulary(cased):
@@ -231,7 +236,7 @@ def test_training_on_empty_input_fails_clearly():
     "text", ["\ufffd", "a\ufffdb", "é\ufffd", "\x00", "x\u200by", "\u2028", "Σ\ufffdΣ"]
 )
 def test_deleted_characters_in_printable_text(uncased, text):
-    """Regression: U+FFFD is printable, yet the reference deletes it."""
-    reference = ReferenceTokenizer(uncased.vocabulary, True)
-    assert uncased.tokenize(text) == reference(text)
-    assert uncased.tf_tokenize([text]).to_list()[0] == reference(text)
+    """Regression: U+FFFD is printable, yet the references delete it."""
+    ref = reference(uncased)
+    assert uncased.tokenize(text) == ref(text)
+    assert uncased.tf_tokenize([text]).to_list()[0] == ref(text)

@@ -9,12 +9,15 @@ only when the caller passes `allow_pickle=True` (and then with torch's
 import json
 import logging
 import os
+import re
 
 import numpy as np
 
 from kbert.convert import tf_checkpoint
 from kbert.layers.activations import canonical_activation
-from kbert.presets.io import PresetError, preset_file, read_json
+from kbert.presets.architectures import check_backbone_config
+from kbert.presets.io import PresetError, preset_file, read_json, safetensors_shapes
+from kbert.presets.weights import held_sizes
 
 logger = logging.getLogger("kbert")
 
@@ -39,14 +42,11 @@ def is_huggingface_dir(directory):
     (both are read through this module)."""
     if tf_checkpoint.is_tf_checkpoint_dir(directory):
         return True
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path) or os.path.isfile(os.path.join(directory, "metadata.json")):
+    if not os.path.lexists(os.path.join(directory, "config.json")) or os.path.lexists(
+        os.path.join(directory, "metadata.json")
+    ):
         return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            return "model_type" in json.load(f)
-    except ValueError:
-        return False
+    return "model_type" in read_json(directory, "config.json")
 
 
 def backbone_config_from_hf(hf_config, source="config.json"):
@@ -67,7 +67,15 @@ def backbone_config_from_hf(hf_config, source="config.json"):
         if theirs in hf_config
     }
     if "activation" in config:
-        config["activation"] = canonical_activation(config["activation"])
+        if not isinstance(config["activation"], str):
+            raise PresetError(
+                f"{source}: hidden_act must be a name such as 'gelu', "
+                f"got {config['activation']!r:.60}"
+            )
+        try:
+            config["activation"] = canonical_activation(config["activation"])
+        except ValueError as e:
+            raise PresetError(f"{source}: {e}") from e
     required = ["vocabulary_size", "num_layers", "num_heads", "hidden_dim", "intermediate_dim"]
     absent = [k for k in required if k not in config]
     if absent:
@@ -78,42 +86,79 @@ def backbone_config_from_hf(hf_config, source="config.json"):
     return config
 
 
-def load_state_dict(directory, allow_pickle=False):
-    """{name: numpy array} from a Hugging Face model directory."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    single = os.path.join(directory, "model.safetensors")
-    index = os.path.join(directory, "model.safetensors.index.json")
-    try:
-        if os.path.isfile(single):
-            return load_file(preset_file(directory, "model.safetensors"))
-        if os.path.isfile(index):
-            shards = sorted(
-                set(read_json(directory, "model.safetensors.index.json")["weight_map"].values())
+def _weight_files(directory, allow_pickle):
+    """("safetensors", [file names]) or ("pickle", ["pytorch_model.bin"]):
+    the weight files of a Hugging Face directory, each a regular file inside it."""
+    if os.path.lexists(preset_file(directory, "model.safetensors")):
+        return "safetensors", ["model.safetensors"]
+    if os.path.lexists(preset_file(directory, "model.safetensors.index.json")):
+        weight_map = read_json(directory, "model.safetensors.index.json").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise PresetError(
+                f"{directory}/model.safetensors.index.json has no weight_map of tensor "
+                "names to shard file names"
             )
-            state = {}
-            for shard in shards:
-                state.update(load_file(preset_file(directory, shard)))
-            return state
-    except (SafetensorError, OSError) as e:
-        raise PresetError(f"weights in {directory} are corrupt or truncated: {e}") from e
-    if os.path.isfile(os.path.join(directory, "pytorch_model.bin")):
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            preset_file(directory, shard)
+        return "safetensors", shards
+    if os.path.lexists(preset_file(directory, "pytorch_model.bin")):
         if not allow_pickle:
             raise PresetError(
                 f"{directory} holds only pytorch_model.bin, a pickle that can run code "
                 "when loaded; convert it to safetensors, or pass allow_pickle=True if "
                 "you trust its source"
             )
-        import torch
-
-        state = torch.load(
-            preset_file(directory, "pytorch_model.bin"), map_location="cpu", weights_only=True
-        )
-        return {
-            k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()
-        }
+        return "pickle", ["pytorch_model.bin"]
     raise PresetError(f"{directory} has no model.safetensors (or sharded index) to load")
+
+
+def _load_pickle(directory, mmap=False):
+    import torch
+
+    try:
+        return torch.load(
+            preset_file(directory, "pytorch_model.bin"),
+            map_location="cpu",
+            weights_only=True,
+            mmap=mmap,
+        )
+    except Exception as e:  # torch raises several types for a corrupt or hostile pickle
+        raise PresetError(f"{directory}/pytorch_model.bin cannot be loaded safely: {e}") from e
+
+
+def weight_shapes(directory, allow_pickle=False):
+    """{name: shape} of a Hugging Face directory's weights, from the
+    safetensors headers (no tensor data read); a pickle is memory-mapped."""
+    kind, files = _weight_files(directory, allow_pickle)
+    if kind == "pickle":
+        return {k: tuple(v.shape) for k, v in _load_pickle(directory, mmap=True).items()}
+    shapes = {}
+    for name in files:
+        shapes.update(safetensors_shapes(directory, name))
+    return shapes
+
+
+def load_state_dict(directory, allow_pickle=False):
+    """{name: numpy array} from a Hugging Face model directory."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    kind, files = _weight_files(directory, allow_pickle)
+    if kind == "pickle":
+        return {
+            k: v.float().numpy() if v.is_floating_point() else v.numpy()
+            for k, v in _load_pickle(directory).items()
+        }
+    state = {}
+    try:
+        for name in files:
+            state.update(load_file(preset_file(directory, name)))
+    except (SafetensorError, OSError) as e:
+        raise PresetError(f"weights in {directory} are corrupt or truncated: {e}") from e
+    return state
 
 
 def _normalise_names(state):
@@ -184,31 +229,77 @@ def backbone_weights_from_hf(state, num_layers):
     return w, used
 
 
-def _config_and_state(directory, allow_pickle=False, with_state=True):
-    """(HF-style config, HF-style state dict or None) for a Hugging Face
-    directory or an original TensorFlow checkpoint directory."""
+_HF_EMBEDDINGS = {
+    "embeddings.word_embeddings.weight": "embeddings/token_embedding/embeddings",
+    "embeddings.position_embeddings.weight": "embeddings/position_embeddings",
+    "embeddings.token_type_embeddings.weight": "embeddings/segment_embedding/embeddings",
+}
+
+
+def backbone_shapes_from_hf(shapes):
+    """{kbert path: shape} for the embedding tables and blocks of a Hugging
+    Face state dict's {name: shape}: what `held_sizes` needs to bound a config."""
+    p = _prefix(shapes)
+    out = {
+        ours: tuple(shapes[p + theirs])
+        for theirs, ours in _HF_EMBEDDINGS.items()
+        if p + theirs in shapes
+    }
+    block = re.compile(re.escape(p) + r"encoder\.layer\.(\d+)\.(.+)$")
+    for name, shape in shapes.items():
+        m = block.match(name)
+        if m is None:
+            continue
+        index, rest = m.groups()
+        if rest == "intermediate.dense.weight":  # torch Linear: (out, in)
+            out[f"transformer_layer_{index}/intermediate_dense/kernel"] = tuple(shape)[::-1]
+        else:
+            out[f"transformer_layer_{index}/{rest}"] = tuple(shape)
+    return out
+
+
+def _read_config(directory):
+    """(HF-style config, the file it came from) for a Hugging Face directory
+    or an original TensorFlow checkpoint directory."""
     if tf_checkpoint.is_tf_checkpoint_dir(directory):
-        config = tf_checkpoint.read_config(directory)
-        return config, (
-            _normalise_names(tf_checkpoint.read_state(directory)) if with_state else None
+        return tf_checkpoint.read_config(directory), os.path.join(
+            directory, tf_checkpoint.CONFIG_FILE
         )
-    config = read_json(directory, "config.json")
-    return config, (
-        _normalise_names(load_state_dict(directory, allow_pickle=allow_pickle))
-        if with_state
-        else None
-    )
+    return read_json(directory, "config.json"), os.path.join(directory, "config.json")
+
+
+def _config_and_state(directory, allow_pickle=False):
+    """(HF-style config, HF-style state dict) for a Hugging Face directory
+    or an original TensorFlow checkpoint directory."""
+    config, _ = _read_config(directory)
+    if tf_checkpoint.is_tf_checkpoint_dir(directory):
+        return config, _normalise_names(tf_checkpoint.read_state(directory))
+    return config, _normalise_names(load_state_dict(directory, allow_pickle=allow_pickle))
 
 
 def read_backbone(directory, load_weights=True, allow_pickle=False):
     """(kbert backbone config, {kbert path: array} or None, weight path
     prefixes the checkpoint may lack) from a Hugging Face BERT directory or
-    an original TF checkpoint directory. Refuses other models before reading
-    any weights."""
-    hf_config, _ = _config_and_state(directory, with_state=False)
-    config = backbone_config_from_hf(hf_config, f"{directory}/config.json")
+    an original TF checkpoint directory. Refuses other models, and configs
+    that do not match the weights' shapes, before reading any weight data."""
+    hf_config, source = _read_config(directory)
+    config = backbone_config_from_hf(hf_config, source)
     if not load_weights:
+        check_backbone_config(config, source, load_weights=False)
         return config, None, ()
+    if tf_checkpoint.is_tf_checkpoint_dir(directory):
+        shapes = tf_checkpoint.read_shapes(directory)
+    else:
+        shapes = weight_shapes(directory, allow_pickle)
+    held = held_sizes(backbone_shapes_from_hf(shapes))
+    check_backbone_config(config, source, held)
+    if config["num_layers"] < held["num_layers"]:
+        logger.warning(
+            "%s: the config asks for %d layers; the checkpoint's last %d are unused",
+            source,
+            config["num_layers"],
+            held["num_layers"] - config["num_layers"],
+        )
     state = _config_and_state(directory, allow_pickle)[1]
     weights, _ = backbone_weights_from_hf(state, config["num_layers"])
     if "pooler/dense/kernel" in weights:

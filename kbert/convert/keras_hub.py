@@ -10,31 +10,26 @@ keras-hub's BERT uses the tanh GELU, so the backbone gets
 `activation="gelu_tanh"`.
 """
 
-import json
 import os
+import re
 
 import numpy as np
 
+from kbert.presets.architectures import check_backbone_config
 from kbert.presets.io import PresetError, preset_file, read_json
+from kbert.presets.weights import held_sizes
 from kbert.tokenizers import BertTokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
-VOCABULARY_FILE = os.path.join("assets", "tokenizer", "vocabulary.txt")
+VOCABULARY_FILE = "assets/tokenizer/vocabulary.txt"
 
 
 def is_keras_hub_dir(directory):
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(os.path.join(directory, CONFIG_FILE)):
         return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except ValueError:
-        return False
-    return isinstance(config, dict) and str(config.get("registered_name", "")).startswith(
-        "keras_hub>"
-    )
+    config = read_json(directory, CONFIG_FILE)
+    return str(config.get("registered_name", "")).startswith("keras_hub>")
 
 
 def backbone_config(directory):
@@ -44,29 +39,36 @@ def backbone_config(directory):
             f"{directory}/{CONFIG_FILE} is a keras-hub {config.get('registered_name')!r}, "
             "not a BERT backbone (keras_hub>BertBackbone)"
         )
-    c = config.get("config", {})
-    try:
-        return {
-            "vocabulary_size": int(c["vocabulary_size"]),
-            "num_layers": int(c["num_layers"]),
-            "num_heads": int(c["num_heads"]),
-            "hidden_dim": int(c["hidden_dim"]),
-            "intermediate_dim": int(c["intermediate_dim"]),
-            "max_sequence_length": int(c.get("max_sequence_length", 512)),
-            "type_vocab_size": int(c.get("num_segments", 2)),
-            "dropout": float(c.get("dropout", 0.1)),
-            "attention_dropout": float(c.get("dropout", 0.1)),
-            "activation": "gelu_tanh",
-            "layer_norm_epsilon": 1e-12,
-        }
-    except (KeyError, TypeError, ValueError) as e:
-        raise PresetError(f"{directory}/{CONFIG_FILE} lacks a BERT setting: {e!r}") from e
+    c = config.get("config")
+    if not isinstance(c, dict):
+        raise PresetError(f"{directory}/{CONFIG_FILE} has no 'config' object")
+    absent = [
+        k
+        for k in ("vocabulary_size", "num_layers", "num_heads", "hidden_dim", "intermediate_dim")
+        if k not in c
+    ]
+    if absent:
+        raise PresetError(f"{directory}/{CONFIG_FILE} lacks the BERT setting(s) {absent}")
+    # Values are kept as read: check_backbone_config refuses wrong types.
+    return {
+        "vocabulary_size": c["vocabulary_size"],
+        "num_layers": c["num_layers"],
+        "num_heads": c["num_heads"],
+        "hidden_dim": c["hidden_dim"],
+        "intermediate_dim": c["intermediate_dim"],
+        "max_sequence_length": c.get("max_sequence_length", 512),
+        "type_vocab_size": c.get("num_segments", 2),
+        "dropout": c.get("dropout", 0.1),
+        "attention_dropout": c.get("dropout", 0.1),
+        "activation": "gelu_tanh",
+        "layer_norm_epsilon": 1e-12,
+    }
 
 
-def read_h5_weights(path):
-    """{variable path: array} from a Keras 3 `.weights.h5` file, read with
-    h5py. Keras stores each layer's variables under `<layer path>/vars/<i>`
-    in creation order; we name them by the layer path and index."""
+def _h5_datasets(path, read):
+    """{dataset name: shape, or array when `read`} of an HDF5 file. Datasets
+    whose data live in other files (external storage, virtual datasets) are
+    refused: a weights file names no other file."""
     import h5py
 
     out = {}
@@ -74,12 +76,49 @@ def read_h5_weights(path):
         with h5py.File(path, "r") as f:
 
             def visit(name, obj):
-                if isinstance(obj, h5py.Dataset):
-                    out[name] = np.asarray(obj[()])
+                if not isinstance(obj, h5py.Dataset):
+                    return
+                if obj.external or obj.is_virtual:
+                    raise PresetError(
+                        f"{path}: dataset {name!r} keeps its data in other files; "
+                        "refusing to read them"
+                    )
+                out[name] = np.asarray(obj[()]) if read else tuple(obj.shape)
 
             f.visititems(visit)
     except OSError as e:
         raise PresetError(f"{path} is not a readable HDF5 weights file: {e}") from e
+    return out
+
+
+def read_h5_weights(path):
+    """{variable path: array} from a Keras 3 `.weights.h5` file, read with
+    h5py. Keras stores each layer's variables under `<layer path>/vars/<i>`
+    in creation order; we name them by the layer path and index."""
+    return _h5_datasets(path, read=True)
+
+
+_ENCODER = re.compile(r"layers/transformer_encoder(?:_(\d+))?/")
+
+
+def backbone_shapes(h5_shapes):
+    """{kbert path: shape} for the embedding tables and blocks of a keras-hub
+    BERT weights file's {dataset name: shape}: what `held_sizes` needs."""
+    tables = {
+        "layers/reversible_embedding/vars/0": "embeddings/token_embedding/embeddings",
+        "layers/position_embedding/vars/0": "embeddings/position_embeddings",
+        "layers/embedding/vars/0": "embeddings/segment_embedding/embeddings",
+    }
+    out = {ours: h5_shapes[theirs] for theirs, ours in tables.items() if theirs in h5_shapes}
+    for name, shape in h5_shapes.items():
+        m = _ENCODER.match(name)
+        if m is None:
+            continue
+        block = f"transformer_layer_{int(m.group(1) or 0)}/"
+        if name[m.end() :] == "_feedforward_intermediate_dense/vars/0":
+            out[block + "intermediate_dense/kernel"] = shape
+        else:
+            out[block + name[m.end() :]] = shape
     return out
 
 
@@ -146,28 +185,34 @@ def read_backbone(directory, load_weights=True):
     """(kbert backbone config, {kbert path: array} or None) from a keras-hub
     BERT preset directory."""
     config = backbone_config(directory)
+    source = os.path.join(directory, CONFIG_FILE)
     if not load_weights:
+        check_backbone_config(config, source, load_weights=False)
         return config, None
     path = preset_file(directory, WEIGHTS_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise PresetError(f"{directory} has no {WEIGHTS_FILE}")
-    source = f"keras-hub weights in {path}"
-    return config, backbone_weights(read_h5_weights(path), config, source)
+    check_backbone_config(config, source, held_sizes(backbone_shapes(_h5_datasets(path, False))))
+    return config, backbone_weights(read_h5_weights(path), config, f"keras-hub weights in {path}")
 
 
 def load_tokenizer(directory):
     """kbert BertTokenizer from a keras-hub preset's vocabulary and casing, or None."""
-    vocab = os.path.join(directory, VOCABULARY_FILE)
-    if not os.path.isfile(vocab):
+    vocab = preset_file(directory, VOCABULARY_FILE, subfolders=True)
+    if not os.path.lexists(vocab):
         return None
-    lowercase = False
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        lowercase = bool(
-            read_json(directory, "tokenizer.json").get("config", {}).get("lowercase", False)
+    return BertTokenizer(vocab, lowercase=tokenizer_lowercase(directory))
+
+
+def tokenizer_lowercase(directory):
+    """The casing keras-hub's tokenizer.json records (False when absent)."""
+    if not os.path.lexists(os.path.join(directory, "tokenizer.json")):
+        return False
+    config = read_json(directory, "tokenizer.json").get("config", {})
+    lowercase = config.get("lowercase", False) if isinstance(config, dict) else None
+    if not isinstance(lowercase, bool):
+        raise PresetError(
+            f"{directory}/tokenizer.json: config.lowercase must be true or false, "
+            f"got {lowercase!r:.60}"
         )
-    root = os.path.realpath(directory)
-    if os.path.realpath(vocab) != os.path.join(
-        root, VOCABULARY_FILE
-    ):  # a symlink on the way leads out
-        raise PresetError(f"{vocab} resolves outside {directory}; refusing to read it")
-    return BertTokenizer(vocab, lowercase=lowercase)
+    return lowercase

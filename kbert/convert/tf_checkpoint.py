@@ -7,24 +7,61 @@ through the same checked mapping as Hugging Face directories.
 """
 
 import glob
-import json
 import os
 import re
 
 import numpy as np
 
+from kbert.presets.io import PresetError, preset_file, read_json
+
+CONFIG_FILE = "bert_config.json"
+
 
 def is_tf_checkpoint_dir(directory):
-    return os.path.isfile(os.path.join(directory, "bert_config.json")) and bool(
-        glob.glob(os.path.join(directory, "*.ckpt*.index"))
+    return os.path.lexists(os.path.join(directory, CONFIG_FILE)) and bool(
+        glob.glob(os.path.join(glob.escape(os.fspath(directory)), "*.ckpt*.index"))
     )
 
 
 def checkpoint_prefix(directory):
-    indexes = sorted(glob.glob(os.path.join(directory, "*.ckpt*.index")))
+    """The checkpoint's path prefix, after checking that its index and data
+    files are regular files inside `directory`."""
+    indexes = sorted(glob.glob(os.path.join(glob.escape(os.fspath(directory)), "*.ckpt*.index")))
     if not indexes:
-        raise ValueError(f"{directory} has no *.ckpt.index file")
-    return indexes[-1][: -len(".index")]
+        raise PresetError(f"{directory} has no *.ckpt.index file")
+    prefix = indexes[-1][: -len(".index")]
+    for path in [indexes[-1]] + glob.glob(glob.escape(prefix) + ".data-*"):
+        preset_file(directory, os.path.basename(path))
+    return prefix
+
+
+def _reader(directory):
+    import tensorflow as tf
+
+    try:
+        return tf.train.load_checkpoint(checkpoint_prefix(directory))
+    except (tf.errors.OpError, ValueError) as e:
+        raise PresetError(f"the TF checkpoint in {directory} cannot be read: {e}") from e
+
+
+def _bert_variables(names):
+    # optimizer slots and global_step are not part of the model
+    return [
+        n
+        for n in names
+        if (n.startswith("bert/") or n.startswith("cls/")) and "adam" not in n.lower()
+    ]
+
+
+def read_shapes(directory):
+    """{Hugging Face name: shape (torch layout)} from the checkpoint's index,
+    reading no tensor data."""
+    shapes = _reader(directory).get_variable_to_shape_map()
+    out = {}
+    for name in _bert_variables(shapes):
+        hf, transpose = tf_name_to_hf(name)
+        out[hf] = tuple(shapes[name])[::-1] if transpose else tuple(shapes[name])
+    return out
 
 
 def tf_name_to_hf(name):
@@ -42,13 +79,9 @@ def tf_name_to_hf(name):
 
 def read_state(directory):
     """{Hugging Face name: array (torch layout)} from an original checkpoint."""
-    import tensorflow as tf
-
-    reader = tf.train.load_checkpoint(checkpoint_prefix(directory))
+    reader = _reader(directory)
     state = {}
-    for name in reader.get_variable_to_shape_map():
-        if not (name.startswith("bert/") or name.startswith("cls/")) or "adam" in name.lower():
-            continue  # optimizer slots, global_step
+    for name in _bert_variables(reader.get_variable_to_shape_map()):
         hf, transpose = tf_name_to_hf(name)
         value = np.asarray(reader.get_tensor(name), dtype=np.float32)
         state[hf] = value.T if transpose else value
@@ -56,6 +89,5 @@ def read_state(directory):
 
 
 def read_config(directory):
-    with open(os.path.join(directory, "bert_config.json")) as f:
-        config = json.load(f)
-    return {"model_type": "bert", "layer_norm_eps": 1e-12, **config}
+    """The checkpoint's bert_config.json in Hugging Face form."""
+    return {"model_type": "bert", "layer_norm_eps": 1e-12, **read_json(directory, CONFIG_FILE)}

@@ -12,11 +12,15 @@ import os
 
 from kbert.convert import huggingface, keras_hub
 from kbert.presets import io
+from kbert.presets.architectures import check_backbone_config
 from kbert.presets.weights import assign_weights
+from kbert.tokenizers.wordpiece import CONFIG_FILE as TOKENIZER_CONFIG_FILE
+from kbert.tokenizers.wordpiece import VOCAB_FILE
 
 logger = logging.getLogger("kbert")
 
 TASK_CONFIG_FILE = "task.json"
+PREPROCESSOR_FILE = "preprocessor.json"  # kbert.models.preprocessor writes it
 TASK_WEIGHTS_FILE = "task.safetensors"
 # from_preset keyword arguments that go to the backbone
 BACKBONE_OVERRIDES = (
@@ -45,18 +49,33 @@ class PresetMixin:
         """
         return io.load_model_from_preset(cls, preset, load_weights=load_weights, **kwargs)
 
-    def save_to_preset(self, preset_dir):
-        """Writes config, safetensors weights and checksummed metadata to a directory."""
-        io.save_model_to_preset(self, preset_dir)
+    def save_to_preset(self, preset_dir, preprocessor=None):
+        """Writes config, safetensors weights and checksummed metadata to a directory.
+
+        Args:
+            preset_dir: str or path. the directory to write.
+            preprocessor: `kbert.BertPreprocessor` or None. tokenizer files to
+                write beside the weights, for a backbone (a task writes the
+                preprocessor attached to it).
+        """
+        attached = getattr(self, "preprocessor", None)
+        if preprocessor is not None and attached is not None and preprocessor is not attached:
+            raise ValueError(
+                f"this {type(self).__name__} already has a preprocessor, which its preset "
+                "saves; attach the other one (model.preprocessor = ...) instead of passing it"
+            )
+        io.save_model_to_preset(self, preset_dir, preprocessor=None if attached else preprocessor)
 
 
 def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
     """A `backbone_cls` from a kbert preset, a Hugging Face BERT directory,
     an original TF checkpoint directory or a keras-hub BERT preset."""
     allow_pickle = overrides.pop("allow_pickle", False)
+    vocabulary_file = VOCAB_FILE
     if keras_hub.is_keras_hub_dir(directory):
         config, weights = keras_hub.read_backbone(directory, load_weights)
         source, allow_missing = f"keras-hub weights in {directory}", ()
+        vocabulary_file = keras_hub.VOCABULARY_FILE
     elif huggingface.is_huggingface_dir(directory):
         config, weights, allow_missing = huggingface.read_backbone(
             directory, load_weights, allow_pickle=allow_pickle
@@ -70,9 +89,15 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
             f"{directory!r} is not a preset: it has neither a kbert {io.METADATA_FILE} nor "
             "a Hugging Face config.json with model_type 'bert'"
         )
+    config = {**config, **overrides}
+    if overrides:
+        check_backbone_config(
+            config, f"{directory} with {sorted(overrides)} overridden", load_weights=load_weights
+        )
+    io.check_vocabulary_file(directory, vocabulary_file, config["vocabulary_size"])
     try:
-        backbone = backbone_cls.from_config({**config, **overrides})
-    except TypeError as e:
+        backbone = backbone_cls.from_config(config)
+    except (TypeError, ValueError) as e:
         raise io.PresetError(f"{directory} has an invalid backbone config: {e}") from e
     if weights is not None:
         assign_weights(
@@ -82,6 +107,46 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
             allow_missing=allow_missing + io.new_adapters(config, overrides),
         )
     return backbone
+
+
+def _check_tokenizer_settings(directory, backbone):
+    """The kbert and Hugging Face tokenizer settings in `directory`, checked
+    before a preprocessor is built from them."""
+    if os.path.lexists(os.path.join(directory, TOKENIZER_CONFIG_FILE)):
+        config = io.read_json(directory, TOKENIZER_CONFIG_FILE)
+        source = os.path.join(directory, TOKENIZER_CONFIG_FILE)
+        for key in ("lowercase", "do_lower_case"):
+            if config.get(key) is not None and not isinstance(config[key], bool):
+                raise io.PresetError(
+                    f"{source}: {key} must be true or false, got {config[key]!r:.60}"
+                )
+        chars = config.get("max_input_chars_per_word", 100)
+        if not (isinstance(chars, int) and not isinstance(chars, bool) and 1 <= chars <= 1 << 20):
+            raise io.PresetError(
+                f"{source}: max_input_chars_per_word must be a positive integer, got {chars!r:.60}"
+            )
+    if os.path.lexists(os.path.join(directory, PREPROCESSOR_FILE)):
+        config = io.read_json(directory, PREPROCESSOR_FILE)
+        source = os.path.join(directory, PREPROCESSOR_FILE)
+        length = config.get("sequence_length", 1)
+        limit = backbone.max_sequence_length
+        if not (isinstance(length, int) and not isinstance(length, bool) and 1 <= length <= limit):
+            raise io.PresetError(
+                f"{source}: sequence_length must be an integer in [1, {limit}] (the backbone's "
+                f"max_sequence_length), got {length!r:.60}"
+            )
+        if not isinstance(config.get("truncate", "longest_first"), str):
+            raise io.PresetError(f"{source}: truncate must be a string")
+
+
+def _check_preprocessor(preprocessor, backbone, directory):
+    size = getattr(getattr(preprocessor, "tokenizer", None), "vocabulary_size", None)
+    if size is not None and size > backbone.vocabulary_size:
+        raise io.PresetError(
+            f"the preprocessor's vocabulary holds {size} tokens but the backbone from "
+            f"{directory} has {backbone.vocabulary_size} embedding rows: raw text would give "
+            "ids past the table; use the checkpoint's own vocabulary"
+        )
 
 
 def write_task_files(task, directory):
@@ -111,10 +176,12 @@ def load_task(cls, directory, load_weights=True, **kwargs):
         cls.backbone_cls, directory, load_weights=load_weights, **backbone_overrides
     )
     task_config, head_weights = {}, None
-    if os.path.isfile(os.path.join(directory, TASK_CONFIG_FILE)):
+    if os.path.lexists(os.path.join(directory, TASK_CONFIG_FILE)):
         saved = io.read_json(directory, TASK_CONFIG_FILE)
         if saved.get("class_name") == cls.__name__:
             task_config = saved.get("config", {})
+            if not isinstance(task_config, dict):
+                raise io.PresetError(f"{directory}/{TASK_CONFIG_FILE} has no 'config' object")
             if load_weights:
                 head_weights = io.load_weights_file(directory, TASK_WEIGHTS_FILE)
         else:
@@ -125,7 +192,9 @@ def load_task(cls, directory, load_weights=True, **kwargs):
                 cls.__name__,
             )
     if "preprocessor" not in kwargs:
+        _check_tokenizer_settings(directory, backbone)
         kwargs["preprocessor"] = cls.default_preprocessor(directory, backbone)
+    _check_preprocessor(kwargs["preprocessor"], backbone, directory)
     model = cls(backbone=backbone, **{**task_config, **kwargs})
     source = f"head weights in {directory}/{TASK_WEIGHTS_FILE}"
     if head_weights is None and load_weights:

@@ -13,18 +13,23 @@ Every file named by a preset must be a plain file inside its directory.
 
 import hashlib
 import json
+import logging
 import os
 
 import keras
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from kbert import backend
 from kbert.layers.adapters import ADAPTER_LAYER_NAMES
+from kbert.presets.architectures import check_backbone_config
 from kbert.presets.registry import PRESETS, download_preset, is_hub_handle
-from kbert.presets.weights import weights_dict
-from kbert.utils.files import PresetError, preset_file
+from kbert.presets.weights import held_sizes, weights_dict
+from kbert.tokenizers.vocabulary import load_vocabulary
+from kbert.utils.files import MAX_VOCABULARY_BYTES, PresetError, load_json, preset_file
 from kbert.version import __version__
+
+logger = logging.getLogger("kbert")
 
 __all__ = [
     "PresetError",
@@ -33,6 +38,8 @@ __all__ = [
     "write_json",
     "save_weights_file",
     "load_weights_file",
+    "safetensors_shapes",
+    "check_vocabulary_file",
     "verify_metadata",
     "write_metadata",
     "save_backbone",
@@ -77,14 +84,13 @@ def _sha256(path):
 
 
 def read_json(directory, name):
+    """The JSON object in file `name` of `directory`; a PresetError naming
+    the file when it is missing, not a regular file inside the directory, or
+    not a well-formed JSON object."""
     path = preset_file(directory, name)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise PresetError(f"{directory!r} has no {name}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise PresetError(f"{path} is not valid JSON: {e}") from e
+    return load_json(path)
 
 
 def write_json(directory, name, obj):
@@ -107,12 +113,60 @@ def save_weights_file(directory, name, layer, exclude=(), exact=False):
 
 def load_weights_file(directory, name):
     path = preset_file(directory, name)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise PresetError(f"{directory!r} has no weights file {name}")
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
         raise PresetError(f"weights file {path} is corrupt or truncated: {e}") from e
+
+
+def safetensors_shapes(directory, name):
+    """{tensor name: shape} from a safetensors file's header, reading no
+    tensor data (the header is checked against the file's size)."""
+    path = preset_file(directory, name)
+    if not os.path.exists(path):
+        raise PresetError(f"{directory!r} has no weights file {name}")
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise PresetError(f"weights file {path} is corrupt or truncated: {e}") from e
+
+
+def check_vocabulary_file(directory, name, vocabulary_size):
+    """Compares the vocabulary file `name` (if present; "/" separates
+    subfolders) with the embedding table's `vocabulary_size` rows: more
+    tokens than rows is a PresetError (raw text would give ids past the
+    table), fewer a warning naming both. Returns the number of tokens, or
+    None when there is no such file."""
+    path = preset_file(directory, name, subfolders=True)
+    if not os.path.exists(path):
+        return None
+    size = os.path.getsize(path)
+    if size > MAX_VOCABULARY_BYTES:
+        raise PresetError(
+            f"{path} is {size} bytes, more than the {MAX_VOCABULARY_BYTES} a vocabulary may hold"
+        )
+    try:
+        count = len(load_vocabulary(path))
+    except ValueError as e:
+        raise PresetError(f"{path} is not a usable vocabulary: {e}") from e
+    if count > vocabulary_size:
+        raise PresetError(
+            f"{path} holds {count} tokens but the embedding table has {vocabulary_size} rows: "
+            "raw text would give ids past the table; use the vocabulary the checkpoint was "
+            "trained with"
+        )
+    if count < vocabulary_size:
+        logger.warning(
+            "%s holds %d tokens, fewer than the embedding table's %d rows; the rows past "
+            "the vocabulary are unused",
+            path,
+            count,
+            vocabulary_size,
+        )
+    return count
 
 
 def verify_metadata(directory):
@@ -123,7 +177,7 @@ def verify_metadata(directory):
         raise PresetError(f"{directory}/{METADATA_FILE} lists no files")
     for name, expected in files.items():
         path = preset_file(directory, name)
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise PresetError(f"preset file {name!r} listed in metadata.json is missing")
         if _sha256(path) != expected:
             raise PresetError(
@@ -162,9 +216,15 @@ def save_backbone(directory, backbone):
     return [CONFIG_FILE, WEIGHTS_FILE]
 
 
-def save_model_to_preset(model, directory):
+def save_model_to_preset(model, directory, preprocessor=None):
+    """Writes `model`'s preset files (and `preprocessor`'s tokenizer files,
+    when given) and the metadata that checksums them."""
     os.makedirs(directory, exist_ok=True)
     files = model.write_preset_files(directory)
+    if preprocessor is not None:
+        files = list(files) + [
+            f for f in preprocessor.save_to_directory(directory) if f not in files
+        ]
     write_metadata(directory, model, files)
 
 
@@ -179,13 +239,18 @@ def read_backbone_preset(directory, load_weights=True):
     config = read_json(directory, CONFIG_FILE)
     if config.get("format") != FORMAT or config.get("class_name") != "BertBackbone":
         raise PresetError(
-            f"{directory}/{CONFIG_FILE} describes {config.get('class_name')!r} "
-            f"(format {config.get('format')!r}), not a kbert BertBackbone"
+            f"{directory}/{CONFIG_FILE} describes {str(config.get('class_name'))[:80]!r} "
+            f"(format {str(config.get('format'))[:80]!r}), not a kbert BertBackbone"
         )
     if not isinstance(config.get("config"), dict):
         raise PresetError(f"{directory}/{CONFIG_FILE} has no 'config' object")
-    weights = load_weights_file(directory, WEIGHTS_FILE) if load_weights else None
-    return config["config"], weights
+    source = os.path.join(directory, CONFIG_FILE)
+    if not load_weights:
+        check_backbone_config(config["config"], source, load_weights=False)
+        return config["config"], None
+    held = held_sizes(safetensors_shapes(directory, WEIGHTS_FILE))
+    check_backbone_config(config["config"], source, held)
+    return config["config"], load_weights_file(directory, WEIGHTS_FILE)
 
 
 def new_adapters(saved_config, overrides):

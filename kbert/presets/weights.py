@@ -1,6 +1,8 @@
 """Named weights: read a model's variables into a flat {path: array} dict and
 assign them back, checking every name and shape (no silent partial load)."""
 
+import re
+
 import numpy as np
 
 
@@ -52,3 +54,35 @@ def assign_weights(layer, weights, source="weights", allow_missing=(), paths=Non
             if not np.all(np.isfinite(value)):
                 raise ValueError(f"{source}: weight {path!r} holds NaN or inf")
             variable.assign(value.astype(variable.dtype))
+
+
+_LAYER = re.compile(r"transformer_layer_(\d+)/")
+
+
+def held_sizes(shapes):
+    """The backbone sizes a set of weights holds, from their shapes alone.
+
+    Args:
+        shapes: dict. {kbert variable path: shape}; only the embedding
+            tables, the block paths and block 0's intermediate kernel matter.
+
+    Returns {size name: int, or None where the tensor holding it is absent}.
+    Layers count from block 0 up to the first one missing.
+    """
+
+    def dim(path, axis):
+        shape = shapes.get(path)
+        return int(shape[axis]) if shape is not None and len(shape) == 2 else None
+
+    blocks = {int(m.group(1)) for path in shapes if (m := _LAYER.match(path))}
+    layers = 0
+    while layers in blocks:
+        layers += 1
+    return {
+        "vocabulary_size": dim("embeddings/token_embedding/embeddings", 0),
+        "hidden_dim": dim("embeddings/token_embedding/embeddings", 1),
+        "max_sequence_length": dim("embeddings/position_embeddings", 0),
+        "type_vocab_size": dim("embeddings/segment_embedding/embeddings", 0),
+        "num_layers": layers or None,
+        "intermediate_dim": dim("transformer_layer_0/intermediate_dense/kernel", 1),
+    }

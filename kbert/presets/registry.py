@@ -23,6 +23,7 @@ or registered name is resolved or a preset is published.
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -282,6 +283,11 @@ def upload_preset(preset, handle, token=None, private=None, commit_message=None)
         upload_preset(classifier, "hf://me/bert-sst2")
     """
     repo_id, revision = parse_handle(handle)
+    if revision is not None and re.fullmatch(r"[0-9a-f]{40}", revision):
+        raise PresetError(
+            f"cannot publish to {handle!r}: a commit is fixed once made; name a branch after "
+            f"'@', or drop the '@' to publish to main"
+        )
     if hasattr(preset, "save_to_preset"):
         with tempfile.TemporaryDirectory() as directory:
             preset.save_to_preset(directory)

@@ -10,6 +10,7 @@ import pytest
 from huggingface_hub import constants as hub_constants
 
 import kbert
+from kbert.convert.huggingface import export_to_huggingface
 from kbert.presets import PresetError, registry
 from tests.harness import TINY
 from tests.presets.hub_server import FakeHub
@@ -40,7 +41,8 @@ def read_tree(directory):
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
-    """Two saved versions of one tiny backbone: (directory, files, weights) each."""
+    """Two kbert presets of one tiny backbone, then a Hugging Face directory
+    of it: (directory, files, weights) each."""
     model = kbert.BertBackbone(**TINY)
     out = []
     for version in ("old", "new"):
@@ -48,6 +50,9 @@ def versions(tmp_path_factory):
         model.save_to_preset(directory)
         out.append((directory, read_tree(directory), model.get_weights()))
         model.set_weights([w + 1.0 for w in model.get_weights()])
+    directory = tmp_path_factory.mktemp("huggingface")
+    export_to_huggingface(model, directory)
+    out.append((directory, read_tree(directory), model.get_weights()))
     return out
 
 
@@ -61,7 +66,7 @@ def fetched(server):
 
 
 def test_handle_downloads_pins_revision_and_works_offline_from_cache(hub, versions, monkeypatch):
-    (_, old_files, old), (_, new_files, new) = versions
+    (_, old_files, old), (_, new_files, new), _ = versions
     first = hub.commit(REPO, old_files)
     # Files kbert never reads stay on the server: no README, no pickle.
     hub.commit(REPO, {**new_files, "README.md": b"# tiny"})
@@ -71,6 +76,8 @@ def test_handle_downloads_pins_revision_and_works_offline_from_cache(hub, versio
     assert {"config.json", "model.safetensors", "metadata.json"} <= fetched(hub)
     assert not {"README.md", "pytorch_model.bin"} & fetched(hub)
     assert same_weights(kbert.BertBackbone.from_preset(f"hf://{REPO}@{first}"), old)
+    with_pickle = registry.download_preset(f"hf://{REPO}", allow_pickle=True)
+    assert os.path.isfile(os.path.join(with_pickle, "pytorch_model.bin"))
 
     hub.stop()  # the cache answers with the server gone, and when offline
     assert same_weights(kbert.BertBackbone.from_preset(f"hf://{REPO}"), new)
@@ -112,6 +119,13 @@ def test_bad_handles_name_the_problem(hub, handle, message):
         kbert.BertBackbone.from_preset(handle)
 
 
+def test_any_huggingface_bert_repository_loads(hub, versions):
+    _, files, weights = versions[2]
+    hub.commit("google-like/bert-tiny", {**files, "flax_model.msgpack": b"not read"})
+    assert same_weights(kbert.BertBackbone.from_preset("hf://google-like/bert-tiny"), weights)
+    assert "flax_model.msgpack" not in fetched(hub)
+
+
 def test_registered_name_is_an_alias_and_checks_registry_checksums(hub, versions, monkeypatch):
     _, files, weights = versions[0]
     hub.commit(REPO, files)
@@ -146,6 +160,8 @@ def test_upload_preset_publishes_a_task_or_a_directory(hub, versions):
     assert same_weights(kbert.BertBackbone.from_preset(handle), weights)
 
 
-def test_upload_refuses_a_directory_without_config(tmp_path):
+def test_upload_refuses_a_directory_without_config_or_a_commit_target(tmp_path):
     with pytest.raises(PresetError, match="no config.json.*save_to_preset"):
         registry.upload_preset(tmp_path, "hf://me/x")
+    with pytest.raises(PresetError, match="a commit is fixed.*name a branch"):
+        registry.upload_preset(tmp_path, "hf://me/x@" + "a" * 40)

@@ -13,7 +13,7 @@ import sys
 
 import kbert_cli
 from kbert import models
-from kbert.convert import huggingface, tf_checkpoint
+from kbert.convert import huggingface
 from kbert.data import MaskingConfig, check_directory
 from kbert.data import create_pretraining_data as create_data
 from kbert.tokenizers import BertTokenizer
@@ -49,45 +49,26 @@ def check_pretraining_data(args):
 def _load_any(source):
     """The model a preset, Hugging Face or original TF checkpoint directory holds,
     with its head."""
-    task_path = os.path.join(source, "task.json")
-    if os.path.isfile(task_path):
-        with open(task_path) as f:
-            name = json.load(f).get("class_name")
-        cls = getattr(models, str(name), None)
-        if not (isinstance(cls, type) and issubclass(cls, models.Task)):
-            raise ValueError(f"{task_path} names an unknown task {name!r}")
-        return cls.from_preset(source)
-    if tf_checkpoint.is_tf_checkpoint_dir(source):
-        # the original releases are pre-training checkpoints: MLM + NSP heads
-        return models.BertPreTrainer.from_preset(source)
-    if huggingface.is_huggingface_dir(source):
-        with open(os.path.join(source, "config.json")) as f:
-            config = json.load(f)
-        architecture = (config.get("architectures") or ["BertModel"])[0]
-        if architecture == "BertForPreTraining":
-            return models.BertPreTrainer.from_preset(source)
-        if architecture == "BertForMaskedLM":
-            return models.BertMaskedLM.from_preset(source)
-        if architecture == "BertForSequenceClassification":
-            return models.BertClassifier.from_preset(
-                source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2)
-            )
-        if architecture == "BertForTokenClassification":
-            return models.BertTokenClassifier.from_preset(
-                source, num_classes=len(config.get("id2label", {})) or config.get("num_labels", 2)
-            )
-        if architecture == "BertForQuestionAnswering":
-            return models.BertQuestionAnswerer.from_preset(source)
-    return models.BertBackbone.from_preset(source)
+    name, kwargs = models.preset_io.held_model(source)
+    cls = getattr(models, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, (models.Task, models.BertBackbone))):
+        raise ValueError(f"{source} holds an unknown model class {name!r}")
+    return cls.from_preset(source, **kwargs)
 
 
 def convert(args):
     model = _load_any(args.source)
+    backbone = model if isinstance(model, models.BertBackbone) else model.backbone
+    # A task carries its preprocessor; a backbone takes the source's tokenizer files along.
+    preprocessor = getattr(model, "preprocessor", None) or models.preset_io.directory_preprocessor(
+        args.source, backbone
+    )
     if args.to == "huggingface":
-        huggingface.export_to_huggingface(model, args.destination)
+        huggingface.export_to_huggingface(model, args.destination, preprocessor=preprocessor)
     else:
-        model.save_to_preset(args.destination)
-    print(f"wrote {type(model).__name__} to {args.destination} ({args.to})")
+        model.save_to_preset(args.destination, preprocessor=preprocessor)
+    carried = "with its tokenizer" if preprocessor is not None else "without a tokenizer"
+    print(f"wrote {type(model).__name__} to {args.destination} ({args.to}, {carried})")
     return 0
 
 

@@ -408,10 +408,18 @@ def backbone_state_to_hf(backbone, prefix=""):
     return {prefix + k: v for k, v in out.items()}
 
 
-def export_to_huggingface(model, directory):
-    """Writes a Hugging Face BERT directory (config.json, model.safetensors,
-    vocab.txt + tokenizer_config.json when a preprocessor is attached) that
-    `transformers` loads with the matching `BertFor...` class."""
+def export_to_huggingface(model, directory, preprocessor=None):
+    """Writes a Hugging Face BERT directory that `transformers` loads with the
+    matching `BertFor...` class: config.json, model.safetensors and, when the
+    model has a preprocessor attached (or one is passed, as a backbone needs),
+    vocab.txt and tokenizer_config.json with its casing and rules.
+
+    Args:
+        model: a kbert BertBackbone or task model.
+        directory: str or path. where to write.
+        preprocessor: `kbert.BertPreprocessor` or None. the tokenizer to
+            write; defaults to the one attached to `model`.
+    """
     from safetensors.numpy import save_file
 
     name = type(model).__name__
@@ -484,18 +492,28 @@ def export_to_huggingface(model, directory):
     )
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    preprocessor = getattr(model, "preprocessor", None)
+    attached = getattr(model, "preprocessor", None)
+    if preprocessor is not None and attached is not None and preprocessor is not attached:
+        raise ValueError(
+            f"this {name} already has a preprocessor; attach the other one "
+            "(model.preprocessor = ...) instead of passing it"
+        )
+    preprocessor = preprocessor or attached
     if preprocessor is not None:
-        preprocessor.tokenizer.save(directory)
+        tokenizer = preprocessor.tokenizer
+        tokenizer.save(directory)
+        # kbert's own settings (casing, rules, special tokens) read back by
+        # kbert, plus the names transformers' BertTokenizer reads.
         with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
             json.dump(
                 {
+                    **tokenizer.get_config(),
                     "tokenizer_class": "BertTokenizer",
-                    "do_lower_case": preprocessor.tokenizer.lowercase,
+                    "do_lower_case": tokenizer.lowercase,
                     "model_max_length": backbone.max_sequence_length,
-                    **{f"{k}_token": v for k, v in preprocessor.tokenizer.special_tokens.items()},
                 },
                 f,
                 indent=2,
+                sort_keys=True,
             )
     return directory

@@ -10,17 +10,29 @@ presets (backbone files + the head's `task.json` and `task.safetensors`).
 import logging
 import os
 
-from kbert.convert import huggingface, keras_hub
+from kbert.convert import huggingface, keras_hub, tf_checkpoint
+from kbert.models.preprocessor import BertPreprocessor
 from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
 from kbert.presets.weights import assign_weights
 from kbert.tokenizers.wordpiece import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from kbert.tokenizers.wordpiece import VOCAB_FILE
+from kbert.utils.files import load_json
 
 logger = logging.getLogger("kbert")
 
 TASK_CONFIG_FILE = "task.json"
 PREPROCESSOR_FILE = "preprocessor.json"  # kbert.models.preprocessor writes it
+HF_TOKENIZER_FILE = "tokenizer.json"
+MAX_HF_TOKENIZER_BYTES = 64 << 20  # a multilingual tokenizer.json is tens of MB
+HF_ARCHITECTURE_CLASSES = {
+    "BertForPreTraining": "BertPreTrainer",
+    "BertForMaskedLM": "BertMaskedLM",
+    "BertForSequenceClassification": "BertClassifier",
+    "BertForTokenClassification": "BertTokenClassifier",
+    "BertForQuestionAnswering": "BertQuestionAnswerer",
+    "BertForMultipleChoice": "BertMultipleChoice",
+}
 TASK_WEIGHTS_FILE = "task.safetensors"
 # from_preset keyword arguments that go to the backbone
 BACKBONE_OVERRIDES = (
@@ -115,16 +127,19 @@ def _check_tokenizer_settings(directory, backbone):
     if os.path.lexists(os.path.join(directory, TOKENIZER_CONFIG_FILE)):
         config = io.read_json(directory, TOKENIZER_CONFIG_FILE)
         source = os.path.join(directory, TOKENIZER_CONFIG_FILE)
-        for key in ("lowercase", "do_lower_case"):
-            if config.get(key) is not None and not isinstance(config[key], bool):
-                raise io.PresetError(
-                    f"{source}: {key} must be true or false, got {config[key]!r:.60}"
-                )
+        for key in ("lowercase", "do_lower_case", "strip_accents", "tokenize_chinese_chars"):
+            _check_json_type(source, config, key, bool, "true or false")
+        _check_json_type(source, config, "rules", str, "a rules name such as 'original'")
         chars = config.get("max_input_chars_per_word", 100)
         if not (isinstance(chars, int) and not isinstance(chars, bool) and 1 <= chars <= 1 << 20):
             raise io.PresetError(
                 f"{source}: max_input_chars_per_word must be a positive integer, got {chars!r:.60}"
             )
+    elif os.path.lexists(os.path.join(directory, VOCAB_FILE)) and os.path.lexists(
+        os.path.join(directory, HF_TOKENIZER_FILE)
+    ):  # read to tell a Hugging Face tokenizer's rules
+        path = io.preset_file(directory, HF_TOKENIZER_FILE)
+        load_json(path, max_bytes=MAX_HF_TOKENIZER_BYTES)
     if os.path.lexists(os.path.join(directory, PREPROCESSOR_FILE)):
         config = io.read_json(directory, PREPROCESSOR_FILE)
         source = os.path.join(directory, PREPROCESSOR_FILE)
@@ -137,6 +152,23 @@ def _check_tokenizer_settings(directory, backbone):
             )
         if not isinstance(config.get("truncate", "longest_first"), str):
             raise io.PresetError(f"{source}: truncate must be a string")
+
+
+def _check_json_type(source, config, key, types, meaning):
+    if config.get(key) is not None and not isinstance(config[key], types):
+        raise io.PresetError(f"{source}: {key} must be {meaning}, got {config[key]!r:.60}")
+
+
+def directory_preprocessor(directory, backbone):
+    """The `BertPreprocessor` the tokenizer files in `directory` describe
+    (kbert preset, Hugging Face, original TF checkpoint or keras-hub), checked
+    against `backbone`'s embedding rows and positions; None without them."""
+    _check_tokenizer_settings(directory, backbone)
+    preprocessor = BertPreprocessor.from_directory(
+        directory, min(128, backbone.max_sequence_length)
+    )
+    _check_preprocessor(preprocessor, backbone, directory)
+    return preprocessor
 
 
 def _check_preprocessor(preprocessor, backbone, directory):
@@ -216,3 +248,31 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     if head_weights is not None:
         assign_weights(model, head_weights, source=source, paths=model.head_weight_paths())
     return model
+
+
+def held_model(directory):
+    """(class name, constructor arguments) of the model a directory holds
+    with its head: a kbert task preset's class, the Hugging Face
+    architecture's counterpart (classes counted from the head's weights),
+    BertPreTrainer for an original TF checkpoint (MLM + NSP heads), else
+    BertBackbone."""
+    directory = os.fspath(directory)
+    if os.path.lexists(os.path.join(directory, TASK_CONFIG_FILE)):
+        name = io.read_json(directory, TASK_CONFIG_FILE).get("class_name")
+        return (name if isinstance(name, str) else repr(name)), {}
+    if tf_checkpoint.is_tf_checkpoint_dir(directory):
+        return "BertPreTrainer", {}
+    if not huggingface.is_huggingface_dir(directory):
+        return "BertBackbone", {}
+    architectures = io.read_json(directory, "config.json").get("architectures") or ["BertModel"]
+    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+        raise io.PresetError(f"{directory}/config.json: architectures must be a list of names")
+    name = HF_ARCHITECTURE_CLASSES.get(architectures[0], "BertBackbone")
+    if name not in ("BertClassifier", "BertTokenClassifier"):
+        return name, {}
+    shape = huggingface.weight_shapes(directory).get("classifier.weight")
+    if shape is None or len(shape) != 2:
+        raise io.PresetError(
+            f"{directory} is a {architectures[0]} without a classifier.weight matrix"
+        )
+    return name, {"num_classes": int(shape[0])}

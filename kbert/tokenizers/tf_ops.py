@@ -59,7 +59,7 @@ def lowercase_fixups():
         lowered = tf.strings.lower(tf.constant(chars), encoding="utf-8").numpy()
     fixups = tuple((c, c.lower()) for c, l in zip(chars, lowered) if l.decode("utf-8") != c.lower())
     # The replacement runs after tf.strings.lower, so it must have left these alone.
-    changed = [c for c, _ in fixups if c.lower() != c and tf_lower_changes(c)]
+    changed = [c for c, _ in fixups if _tf_lower_changes(c)]
     if changed:
         raise NotImplementedError(
             f"tf.strings.lower changes {changed[:5]!r} differently from str.lower; "
@@ -68,7 +68,7 @@ def lowercase_fixups():
     return fixups
 
 
-def tf_lower_changes(char):
+def _tf_lower_changes(char):
     with tf.init_scope():
         return tf.strings.lower(char, encoding="utf-8").numpy().decode("utf-8") != char
 

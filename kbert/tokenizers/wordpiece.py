@@ -194,14 +194,24 @@ class BertTokenizer:
         if not os.path.isfile(vocab):
             raise ValueError(f"{directory!r} has no {VOCAB_FILE}")
         config = _read_json(directory, CONFIG_FILE) or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{os.path.join(directory, CONFIG_FILE)} is not a JSON object")
         rules = rules or detect_rules(directory)
+        # transformers' tokenizer.json holds the casing in its BertNormalizer.
+        tokenizer_json = _read_json(directory, "tokenizer.json")
+        normalizer = tokenizer_json.get("normalizer") if isinstance(tokenizer_json, dict) else None
+        if isinstance(normalizer, dict) and normalizer.get("type") == "BertNormalizer":
+            config = {
+                "do_lower_case": normalizer.get("lowercase"),
+                "strip_accents": normalizer.get("strip_accents"),
+                "tokenize_chinese_chars": normalizer.get("handle_chinese_chars"),
+                **{k: v for k, v in config.items() if v is not None},
+            }
         # Original Google releases carry the casing only in their name (cased_L-12_H-768_A-12).
         name = os.path.basename(os.path.normpath(directory)).lower()
         default = not (name.startswith("cased") or "_cased" in name or "-cased" in name)
-        kwargs = {
-            "lowercase": config.get("lowercase", config.get("do_lower_case", default)),
-            "rules": rules,
-        }
+        lowercase = config.get("lowercase", config.get("do_lower_case"))
+        kwargs = {"lowercase": default if lowercase is None else lowercase, "rules": rules}
         for key in ("unk_token", "cls_token", "sep_token", "pad_token", "mask_token"):
             if isinstance(config.get(key), str):
                 kwargs[key] = config[key]

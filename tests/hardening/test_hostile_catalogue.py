@@ -215,6 +215,43 @@ def keras_hub_truncated_weights(d):
     return lambda: kbert.BertBackbone.from_preset(k), "model.weights.h5"
 
 
+def preset_config_beyond_its_weights(d):
+    p = _preset(d)
+    config = json.loads((p / "config.json").read_text())
+    config["config"].update(num_layers=200, hidden_dim=8192, num_heads=64)
+    (p / "config.json").write_text(json.dumps(config))
+    _set_checksums(p)
+    return lambda: kbert.BertBackbone.from_preset(p), "the weights hold"
+
+
+def _huggingface_dir(d):
+    from kbert.convert.huggingface import export_to_huggingface
+
+    h = d / "hf"
+    export_to_huggingface(kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)}), h)
+    (h / "vocab.txt").write_text("\n".join(VOCAB))
+    return h
+
+
+def huggingface_config_nested_too_deep(d):
+    h = _huggingface_dir(d)
+    (h / "config.json").write_text('{"model_type": "bert", "x": ' + "[" * 100_000)
+    return lambda: kbert.BertBackbone.from_preset(h), "config.json is not valid JSON"
+
+
+def huggingface_vocabulary_is_a_fifo(d):
+    h = _huggingface_dir(d)
+    os.remove(h / "vocab.txt")
+    os.mkfifo(h / "vocab.txt")  # reading it would block forever
+    return lambda: kbert.BertClassifier.from_preset(h, num_classes=2), "not a regular file"
+
+
+def huggingface_vocabulary_past_the_embeddings(d):
+    h = _huggingface_dir(d)
+    (h / "vocab.txt").write_text("\n".join(VOCAB + ["c", "d"]))
+    return lambda: kbert.BertClassifier.from_preset(h, num_classes=2), "9 tokens but.* 7 rows"
+
+
 HOSTILE = [
     keras_lambda,
     keras_unregistered_class,
@@ -232,6 +269,10 @@ HOSTILE = [
     huggingface_other_model_type,
     keras_hub_vocabulary_symlink,
     keras_hub_truncated_weights,
+    preset_config_beyond_its_weights,
+    huggingface_config_nested_too_deep,
+    huggingface_vocabulary_is_a_fifo,
+    huggingface_vocabulary_past_the_embeddings,
 ]
 
 

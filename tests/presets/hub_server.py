@@ -26,6 +26,7 @@ class FakeHub:
     def __init__(self):
         self.repos = {}  # repo_id -> {"refs": {branch: commit}, "commits": {commit: {path: bytes}}}
         self.requests = []  # (method, path, authorization header)
+        self.private = {}  # repo_id -> the token that may read it
         self._server = None
 
     # --- store ---------------------------------------------------------
@@ -40,9 +41,12 @@ class FakeHub:
         repo["refs"][branch] = digest
         return digest
 
-    def _resolve(self, repo_id, revision):
+    def _resolve(self, repo_id, revision, authorization=None):
         repo = self.repos.get(repo_id)
-        if repo is None:
+        # As the Hub does, a private repository is "not found" without its token.
+        if repo is None or (
+            repo_id in self.private and authorization != f"Bearer {self.private[repo_id]}"
+        ):
             return None, None
         commit = repo["refs"].get(revision, revision)
         return repo, (commit if commit in repo["commits"] else None)
@@ -107,7 +111,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._create(json.loads(body))
         if parts[:2] == ["api", "models"] and len(parts) >= 6:
             repo_id, action, revision = "/".join(parts[2:4]), parts[4], parts[5]
-            repo, commit = self.hub._resolve(repo_id, revision)
+            repo, commit = self.hub._resolve(repo_id, revision, self.headers.get("authorization"))
             if repo is None:
                 return self._error("RepoNotFound", f"Repository {repo_id} not found")
             if action == "preupload" and method == "POST":
@@ -141,7 +145,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 )
         if len(parts) >= 5 and parts[2] == "resolve" and method in ("GET", "HEAD"):
             repo_id, revision, path = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-            repo, commit = self.hub._resolve(repo_id, revision)
+            repo, commit = self.hub._resolve(repo_id, revision, self.headers.get("authorization"))
             if repo is None:
                 return self._error("RepoNotFound", f"Repository {repo_id} not found", head)
             if commit is None:

@@ -4,6 +4,7 @@ huggingface_hub downloads and commits through."""
 
 import hashlib
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ def hub(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("KBERT_CACHE", str(tmp_path / "kbert"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     yield server
     server.stop()
@@ -33,7 +35,7 @@ def hub(monkeypatch, tmp_path):
 
 def read_tree(directory):
     return {
-        os.path.relpath(os.path.join(root, n), directory): open(os.path.join(root, n), "rb").read()
+        os.path.relpath(os.path.join(root, n), directory): pathlib.Path(root, n).read_bytes()
         for root, _, names in os.walk(directory)
         for n in names
     }
@@ -124,6 +126,16 @@ def test_any_huggingface_bert_repository_loads(hub, versions):
     hub.commit("google-like/bert-tiny", {**files, "flax_model.msgpack": b"not read"})
     assert same_weights(kbert.BertBackbone.from_preset("hf://google-like/bert-tiny"), weights)
     assert "flax_model.msgpack" not in fetched(hub)
+
+
+def test_private_repository_needs_a_token(hub, versions, monkeypatch):
+    _, files, weights = versions[0]
+    hub.commit("me/private", files)
+    hub.private["me/private"] = "hf_reader"
+    with pytest.raises(PresetError, match="'me/private'.*not found.*HF_TOKEN"):
+        kbert.BertBackbone.from_preset("hf://me/private")
+    monkeypatch.setenv("HF_TOKEN", "hf_reader")
+    assert same_weights(kbert.BertBackbone.from_preset("hf://me/private"), weights)
 
 
 def test_registered_name_is_an_alias_and_checks_registry_checksums(hub, versions, monkeypatch):

@@ -98,6 +98,27 @@ def test_pickle_checkpoint_needs_opt_in(tmp_path):
     assert np.max(np.abs((y - ref) * x["padding_mask"][..., None])) <= 1e-5
 
 
+@pytest.mark.parametrize("weights", ["safetensors", "pickle", "sharded"])
+def test_config_beyond_the_weights_fails_before_building(tmp_path, monkeypatch, weights):
+    import json
+
+    hf, directory = _hf_model(tmp_path)
+    if weights == "pickle":
+        torch.save(hf.state_dict(), directory / "pytorch_model.bin")
+        os.remove(directory / "model.safetensors")
+    elif weights == "sharded":
+        os.rename(directory / "model.safetensors", directory / "model-00001-of-00001.safetensors")
+        names = list(hf.state_dict())
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {n: "model-00001-of-00001.safetensors" for n in names}})
+        )
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 64}))
+    monkeypatch.setattr(kbert.BertBackbone, "from_config", None)  # building would fail apart
+    with pytest.raises(PresetError, match="num_layers=64 but the weights hold 2"):
+        kbert.BertBackbone.from_preset(directory, allow_pickle=True)
+
+
 def test_truncated_safetensors(tmp_path):
     _, directory = _hf_model(tmp_path)
     data = (directory / "model.safetensors").read_bytes()

@@ -117,3 +117,28 @@ def test_cli_converts_an_original_checkpoint(original_checkpoint, tmp_path):
     x = harness.backbone_inputs(batch=2, length=8, vocabulary_size=99)
     x["mask_positions"] = np.array([[1, 2], [3, 4]], "int32")
     assert harness.max_abs_diff(converted(x), direct(x)) == 0.0
+    # the vocabulary and casing came along
+    texts = ["w1 W2 w93", "[MASK] w5"]
+    np.testing.assert_array_equal(
+        converted.preprocessor(texts)["token_ids"], direct.preprocessor(texts)["token_ids"]
+    )
+    assert converted.preprocessor.tokenizer.lowercase
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_hidden_layers": 40}, "num_layers=40 but the weights hold 2"),
+        ({"hidden_size": 1 << 20}, "hidden_dim=1048576 is beyond any BERT"),
+        ({"vocab_size": 30522}, "vocabulary_size=30522 but the weights hold 99"),
+    ],
+)
+def test_config_beyond_the_checkpoint_fails_before_building(
+    original_checkpoint, monkeypatch, changes, message
+):
+    _, directory = original_checkpoint
+    config = json.loads((directory / "bert_config.json").read_text())
+    (directory / "bert_config.json").write_text(json.dumps({**config, **changes}))
+    monkeypatch.setattr(kbert.BertBackbone, "from_config", None)  # building would fail apart
+    with pytest.raises(kbert.presets.PresetError, match=message):
+        kbert.BertPreTrainer.from_preset(directory)

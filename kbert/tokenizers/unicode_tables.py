@@ -81,6 +81,20 @@ def tables():
     }
 
 
+@functools.lru_cache(maxsize=None)
+def composing_second():
+    """Characters of combining class 0 that NFC may compose with the one before
+    (second halves of canonical pairs, Hangul vowels and trailing consonants)."""
+    second = {chr(cp) for cp in range(0x1161, 0x1176)} | {chr(cp) for cp in range(0x11A8, 0x11C3)}
+    for cp in range(sys.maxunicode + 1):
+        parts = unicodedata.decomposition(chr(cp)).split()
+        if len(parts) == 2 and not parts[0].startswith("<"):
+            char = chr(int(parts[1], 16))
+            if not unicodedata.combining(char):
+                second.add(char)
+    return frozenset(second)
+
+
 def _char(cp, flavor):
     if flavor == "re2":
         return f"\\x{{{cp:X}}}"

@@ -11,9 +11,10 @@ Two rule sets, chosen by `rules`:
   WordpieceTokenizer): the same, except that every C* character is deleted
   (Cn, Co and Cs too), the text is NFC-normalised after the CJK spacing, words
   longer than 100 characters are [UNK], and `strip_accents` /
-  `tokenize_chinese_chars` can be set apart from the casing. Special-token
-  strings written in the text (`"[SEP]"`) are plain text here, as with
-  transformers' `split_special_tokens=True`: user text cannot inject them.
+  `tokenize_chinese_chars` can be set apart from the casing.
+Under both, special-token strings written in the text (`"[SEP]"`) are plain
+text, as in the original code (transformers reads them as the special tokens):
+user text cannot inject them.
 
 Normalisation and splitting run as compiled regular expressions built from the
 references' own `unicodedata` character classes (`unicode_tables`); WordPiece
@@ -260,23 +261,31 @@ class BertTokenizer:
         inputs = list(inputs)
         return self._tokenize_batch(inputs)
 
-    def _encode_words(self, words):
-        """WordPiece ids of each word, in Rust; in Python for words with lone
-        surrogates (kept by the original rules), which Rust strings cannot hold."""
-        rust = [w for w in words if not _SURROGATE.search(w)]
+    def _encode_words(self, words, offsets=False):
+        """WordPiece ids (and piece offsets) of each word, in Rust; in Python for
+        words with lone surrogates (kept by the original rules), which Rust
+        strings cannot hold."""
+        if not _SURROGATE.search("".join(words)):
+            rust, python = words, []
+        else:
+            rust = [w for w in words if not _SURROGATE.search(w)]
+            python = [w for w in words if _SURROGATE.search(w)]
         encodings = self._engine.encode_batch(
             [[w] for w in rust], is_pretokenized=True, add_special_tokens=False
         )
-        out = dict(zip(rust, ([e.ids, e.offsets] for e in encodings)))
-        for word in words:
-            if word not in out:
-                out[word] = self._python_wordpiece(word)
+        if offsets:
+            out = {w: (e.ids, e.offsets) for w, e in zip(rust, encodings)}
+        else:
+            out = {w: e.ids for w, e in zip(rust, encodings)}
+        for word in python:
+            ids, spans = self._python_wordpiece(word)
+            out[word] = (ids, spans) if offsets else ids
         return [out[w] for w in words]
 
     def _python_wordpiece(self, word):
-        """[ids, offsets] of greedy longest-match-first WordPiece (the reference loop)."""
+        """(ids, offsets) of greedy longest-match-first WordPiece (the reference loop)."""
         if len(word) > self.max_input_chars_per_word:
-            return [[self.unk_id], [(0, len(word))]]
+            return [self.unk_id], [(0, len(word))]
         ids, offsets, start = [], [], 0
         while start < len(word):
             end = len(word)
@@ -286,11 +295,11 @@ class BertTokenizer:
                     break
                 end -= 1
             if end == start:
-                return [[self.unk_id], [(0, len(word))]]
+                return [self.unk_id], [(0, len(word))]
             ids.append(self._token_to_id[piece])
             offsets.append((start, end))
             start = end
-        return [ids, offsets]
+        return ids, offsets
 
     def _word_ids(self, words):
         """Fills the word -> ids cache for `words` (WordPiece in Rust for new words)."""
@@ -299,8 +308,7 @@ class BertTokenizer:
         if new:
             if len(cache) + len(new) > _CACHE_SIZE:
                 cache.clear()
-            for w, (ids, _) in zip(new, self._encode_words(new)):
-                cache[w] = ids
+            cache.update(zip(new, self._encode_words(new)))
         return cache
 
     def _tokenize_batch(self, texts):
@@ -322,30 +330,51 @@ class BertTokenizer:
         """
         ids = self.tokenize(text)
         starts, ends = [], []
-        normalized, origin = self._normalize_with_origin(text)
+        normalized, origin, origin_end = self._normalize_with_origin(text)
         word_spans = [m.span() for m in self._patterns.words.finditer(normalized)]
         words = [normalized[s:e] for s, e in word_spans]
-        encodings = self._encode_words(words) if words else []
+        encodings = self._encode_words(words, offsets=True) if words else []
         for (start, end), (_, piece_offsets) in zip(word_spans, encodings):
             for piece_start, piece_end in piece_offsets:
                 s, e = start + piece_start, start + piece_end
                 starts.append(origin[s])
-                ends.append(origin[e - 1] + 1)
+                ends.append(origin_end[e - 1])
         if len(starts) != len(ids):  # per-character normalisation diverged (rare)
             raise AssertionError("offset alignment failed")
         return ids, np.asarray(starts, "int64"), np.asarray(ends, "int64")
 
     def _normalize_with_origin(self, text):
-        """Per-character normalisation with the source index of each output char."""
-        pieces, origin = [], []
-        for index, char in enumerate(text):
-            if char.isascii() and char.isalnum():
-                piece = char.lower() if self.lowercase else char
+        """Normalisation unit by unit, with the source span of each output char.
+
+        A unit is one character, or under NFC a character and those that may
+        compose with it. Lowercasing in context (a word-final Σ becomes ς)
+        changes characters, not lengths: the whole text's normalisation then
+        replaces the per-unit one.
+        """
+        pieces, origin, origin_end = [], [], []
+        for start, end in self._units(text):
+            unit = text[start:end]
+            if unit.isascii() and unit.isalnum():
+                piece = unit.lower() if self.lowercase else unit
             else:
-                piece = self.normalize(char)
+                piece = self.normalize(unit)
             pieces.append(piece)
-            origin.extend([index] * len(piece))
-        return "".join(pieces), origin
+            origin.extend([start] * len(piece))
+            origin_end.extend([end] * len(piece))
+        normalized = "".join(pieces)
+        if not text.isascii():
+            whole = self.normalize(text)
+            if len(whole) == len(normalized):
+                normalized = whole
+        return normalized, origin, origin_end
+
+    def _units(self, text):
+        if not self._nfc or text.isascii() or unicodedata.is_normalized("NFC", text):
+            return [(i, i + 1) for i in range(len(text))]
+        second = ut.composing_second()
+        cuts = [i for i, c in enumerate(text) if not unicodedata.combining(c) and c not in second]
+        cuts = ([0] if not cuts or cuts[0] else []) + cuts + [len(text)]
+        return list(zip(cuts[:-1], cuts[1:]))
 
     def token_to_id(self, token):
         if token not in self._token_to_id:

@@ -220,8 +220,10 @@ def test_preprocessor_records_and_restores_rules(tmp_path):
 def test_preprocessor_ids_equal_in_python_and_tf_data():
     tf = pytest.importorskip("tensorflow")
     pytest.importorskip("tensorflow_text")
+    letters = "abcdefghijklmnopqrstuvwxyzçéοδςσı"
+    vocab = SPECIALS + list(letters) + ["##" + c for c in letters] + ["##\u0307", "中", "文"]
     pres = [
-        BertPreprocessor(BertTokenizer(minilm_vocab(), rules=rules), sequence_length=24)
+        BertPreprocessor(BertTokenizer(vocab, rules=rules), sequence_length=24)
         for rules in ("original", "transformers")
     ]
     texts = ["Naïve café \u0378 ok", "ΟΔΟΣ e\u0301 İstanbul", "x\u200b\ue000y ﬁne Ｈｅｌｌｏ 中文"]
@@ -233,3 +235,17 @@ def test_preprocessor_ids_equal_in_python_and_tf_data():
             np.testing.assert_array_equal(ours[key], theirs[key].numpy())
     # The rule sets differ on the first text: U+0378 is an [UNK] word, or deleted.
     assert python[0]["padding_mask"][0].sum() == python[1]["padding_mask"][0].sum() + 1
+
+
+@pytest.mark.parametrize("rules, lowercase", CONFIGS)
+def test_offsets_under_context_and_composition(vocabulary, rules, lowercase):
+    """Final sigma (lowercased in context) and NFC composition (e + U+0301)
+    keep the offsets aligned with the ids; a composed token spans both chars."""
+    tok = BertTokenizer(vocabulary, lowercase=lowercase, rules=rules)
+    text = "ΟΔΟΣ, e\u0301a \u1100\u1161\u11a8 Σ\u0301x"
+    ids, starts, ends = tok.tokenize_with_offsets(text)
+    assert ids == tok.tokenize(text)
+    assert (starts < ends).all() and (np.diff(starts) >= 0).all() and ends[-1] == len(text)
+    if rules == "transformers" and not lowercase:
+        (accented,) = [i for i, s in enumerate(starts) if text[s] == "e"]
+        assert ends[accented] - starts[accented] >= 2  # é from e + U+0301

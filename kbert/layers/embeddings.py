@@ -136,11 +136,15 @@ class BertEmbeddings(keras.layers.Layer):
         if not training and checks.is_concrete(token_ids):
             checks.check_token_ids(token_ids, self.vocabulary_size)
             checks.check_token_ids(segment_ids, self.type_vocab_size, "segment_ids")
-        positions = ops.slice(
-            ops.cast(self.position_embeddings, self.compute_dtype),
-            (0, 0),
-            (length, self.hidden_dim),
-        )  # (T, H)
+        table = ops.cast(self.position_embeddings, self.compute_dtype)
+        if isinstance(length, int) or ops.is_tensor(length):
+            positions = ops.slice(table, (0, 0), (length, self.hidden_dim))  # (T, H)
+        else:
+            # A symbolic or unknown length (shape-polymorphic export) cannot
+            # be proven <= max_sequence_length, which a slice requires; a
+            # gather of the first T rows has no such bound.
+            position_ids = ops.cumsum(ops.ones_like(token_ids[0]), axis=0) - 1  # (T,)
+            positions = ops.take(table, position_ids, axis=0)  # (T, H)
         segments = ops.cast(self.segment_embedding.embeddings, self.compute_dtype)
         x = fused_embedding_sum(
             self.token_embedding(token_ids), positions, segments, segment_ids

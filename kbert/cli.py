@@ -1,5 +1,5 @@
 """What the `kbert` commands run: create-pretraining-data, check-pretraining-data,
-convert, pretrain.
+convert, export, pretrain.
 
 The command line itself (arguments, `--help`, `kbert presets`) is `kbert_cli`,
 which needs only the standard library and imports this module when a command
@@ -11,7 +11,10 @@ import os
 import runpy
 import sys
 
+import keras
+
 import kbert_cli
+from kbert import export as serving
 from kbert import models
 from kbert.convert import huggingface
 from kbert.data import MaskingConfig, check_directory
@@ -69,6 +72,40 @@ def convert(args):
         model.save_to_preset(args.destination, preprocessor=preprocessor)
     carried = "with its tokenizer" if preprocessor is not None else "without a tokenizer"
     print(f"wrote {type(model).__name__} to {args.destination} ({args.to}, {carried})")
+    return 0
+
+
+def export(args):
+    """SavedModel (model inputs, or raw strings with --text) or ONNX + tokenizer.json."""
+    if args.source.endswith(".keras"):
+        model = keras.saving.load_model(args.source)
+        preprocessor = getattr(model, "preprocessor", None)
+    else:
+        model = _load_any(args.source)
+        backbone = model if isinstance(model, models.BertBackbone) else model.backbone
+        preprocessor = getattr(
+            model, "preprocessor", None
+        ) or models.preset_io.directory_preprocessor(args.source, backbone)
+    if args.text:
+        if args.format != "saved_model":
+            raise ValueError(
+                "--text writes a SavedModel (the tokenizer runs in its graph); for ONNX "
+                "drop --text: the tokenizer.json written beside model.onnx tokenizes"
+            )
+        serving.export_text_model(model, args.destination)
+        print(f"wrote {type(model).__name__} taking raw strings to {args.destination}")
+        return 0
+    if args.format == "saved_model":
+        serving.export_model(model, args.destination, format="tf_saved_model", verbose=False)
+        print(f"wrote {type(model).__name__} SavedModel to {args.destination}")
+        return 0
+    os.makedirs(args.destination, exist_ok=True)
+    path = os.path.join(args.destination, "model.onnx")
+    serving.export_model(model, path, format="onnx", verbose=False)
+    written = [path]
+    if preprocessor is not None:
+        written.append(serving.export_tokenizer_json(preprocessor, args.destination))
+    print(f"wrote {type(model).__name__}: {', '.join(written)}")
     return 0
 
 

@@ -7,6 +7,7 @@ the commands that need models or data import `kbert.cli` and run there.
 
     kbert presets
     kbert convert ./hf_bert ./kbert_preset
+    kbert export ./kbert_preset ./served --text
     python -m kbert_cli --help
 """
 
@@ -21,6 +22,7 @@ COMMANDS = {
     "create-pretraining-data": "create_pretraining_data",
     "convert": "convert",
     "check-pretraining-data": "check_pretraining_data",
+    "export": "export",
 }
 
 
@@ -74,6 +76,21 @@ def build_parser():
     convert.add_argument("source", help="kbert preset or Hugging Face BERT directory")
     convert.add_argument("destination")
     convert.add_argument("--to", choices=["kbert", "huggingface"], default="kbert")
+
+    export = commands.add_parser(
+        "export", help="serving artifacts: SavedModel (optionally raw strings in) or ONNX"
+    )
+    export.add_argument("source", help="kbert preset, Hugging Face BERT directory or .keras file")
+    export.add_argument(
+        "destination",
+        help="SavedModel directory, or for ONNX a directory for model.onnx and tokenizer.json",
+    )
+    export.add_argument("--format", choices=["saved_model", "onnx"], default="saved_model")
+    export.add_argument(
+        "--text",
+        action="store_true",
+        help="SavedModel signatures take raw strings (tokenizer in the graph; tasks only)",
+    )
 
     check = commands.add_parser("check-pretraining-data", help="statistics of a created directory")
     check.add_argument("directory")

@@ -261,5 +261,5 @@ def new_adapters(saved_config, overrides):
 
 
 def load_model_from_preset(cls, preset, load_weights=True, **kwargs):
-    directory = resolve_preset(preset)
+    directory = resolve_preset(preset, allow_pickle=kwargs.get("allow_pickle", False))
     return cls.load_from_preset_dir(directory, load_weights=load_weights, **kwargs)

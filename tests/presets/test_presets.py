@@ -1,14 +1,10 @@
-import functools
-import http.server
 import json
-import os
-import threading
 
 import pytest
 
 import kbert
-from kbert.presets import PresetError, registry
-from tests.harness import TINY, backbone_inputs, max_abs_diff
+from kbert.presets import PresetError
+from tests.harness import TINY
 
 
 @pytest.fixture
@@ -82,56 +78,6 @@ def test_shape_mismatch_is_reported(saved, tmp_path):
 
     with pytest.raises(ValueError, match="shape mismatch"):
         assign_weights(other, load_weights_file(directory, "model.safetensors"))
-
-
-def test_registered_name_offline_names_url(monkeypatch, tmp_path):
-    monkeypatch.setenv("KBERT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setitem(
-        registry.PRESETS,
-        "bert_base_en_uncased",
-        {**registry.PRESETS["bert_base_en_uncased"], "url": "http://127.0.0.1:9/bert/"},
-    )
-    with pytest.raises(
-        OSError, match=r"http://127\.0\.0\.1:9/bert/config\.json.*pass their directory"
-    ):
-        kbert.BertBackbone.from_preset("bert_base_en_uncased")
-
-
-def test_registered_name_downloads_and_caches(monkeypatch, tmp_path):
-    """The real download path, served from a local HTTP server on loopback."""
-    model = kbert.BertBackbone(**TINY)
-    served = tmp_path / "served"
-    model.save_to_preset(served)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    handler.log_message = lambda *args: None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        monkeypatch.setenv("KBERT_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setitem(
-            registry.PRESETS,
-            "local_test",
-            {
-                "url": f"http://127.0.0.1:{server.server_address[1]}/",
-                "files": (
-                    "config.json",
-                    "model.safetensors",
-                    "metadata.json",
-                    "tokenizer_config.json",
-                ),
-                "description": "test",
-            },
-        )
-        loaded = kbert.BertBackbone.from_preset("local_test")
-    finally:
-        server.shutdown()
-    x = backbone_inputs()
-    assert max_abs_diff(model(x), loaded(x)) == 0.0
-    assert os.path.exists(tmp_path / "cache" / "local_test" / ".complete")
-    # Cached: loads again with the server gone.
-    again = kbert.BertBackbone.from_preset("local_test")
-    assert max_abs_diff(model(x), again(x)) == 0.0
 
 
 def test_list_presets():

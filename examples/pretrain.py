@@ -15,6 +15,12 @@ figures at every checkpoint; the points are in `curves.jsonl`).
 
 Re-running the same command resumes from the last checkpoint in
 `--output-dir` (weights, optimizer state, schedule step, data position).
+
+Several hosts (JAX): run the same command on each, with `--distribution
+jax-data-parallel --coordinator-address HOST0:PORT --num-processes N
+--process-id I` (I = 0 on HOST0) and an `--output-dir` they all share.
+Process 0 writes the vocabulary, the examples, checkpoints and results;
+every process reads the same global batches and trains on its share.
 Every size, path, step count, batch, precision and distribution choice is a flag.
 """
 
@@ -32,6 +38,7 @@ import kbert
 from kbert.data import MaskingConfig, read_documents
 from kbert.training import ENGINES, create_optimizer, distribution_scope, fit_resumable
 from kbert.training.callbacks import CurveLogger, read_curves
+from kbert.training.distribution import barrier, process_index
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -107,6 +114,17 @@ def parse_args(argv=None):
     train.add_argument("--jit-compile", default="auto", choices=["auto", "true", "false"])
     train.add_argument("--distribution", default="none", choices=ENGINES)
     train.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="host:port of process 0, the same on every host (jax-data-parallel on several hosts)",
+    )
+    train.add_argument(
+        "--num-processes", type=int, default=None, help="processes in the run, one per host"
+    )
+    train.add_argument(
+        "--process-id", type=int, default=None, help="this process, 0 to --num-processes - 1"
+    )
+    train.add_argument(
         "--phase2-steps",
         type=int,
         default=0,
@@ -125,11 +143,13 @@ def parse_args(argv=None):
 
 def prepare_vocabulary(args):
     path = args.vocab or os.path.join(args.output_dir, "vocab.txt")
-    if not os.path.isfile(path):
+    # With several processes, process 0 writes into the shared --output-dir.
+    if not os.path.isfile(path) and process_index() == 0:
         print(f"training a {args.vocab_size}-token WordPiece vocabulary on {args.corpus}")
         kbert.tokenizers.train_wordpiece_vocabulary(
             args.corpus, args.vocab_size, output=path, lowercase=args.lowercase
         )
+    barrier("vocabulary")
     return kbert.BertTokenizer(path, lowercase=args.lowercase)
 
 
@@ -166,6 +186,13 @@ def make_data(args, tokenizer, train_docs, eval_docs, seq_length):
         whole_word_mask=args.whole_word_mask,
     )
     root = os.path.join(args.output_dir, f"data-{seq_length}")
+    if process_index() == 0:  # the other processes read what it writes
+        write_examples(args, tokenizer, train_docs, eval_docs, masking, root)
+    barrier(f"data-{seq_length}")
+    return root, masking
+
+
+def write_examples(args, tokenizer, train_docs, eval_docs, masking, root):
     text_dir = os.path.join(root, "text")
     os.makedirs(text_dir, exist_ok=True)
     shards = []
@@ -183,11 +210,13 @@ def make_data(args, tokenizer, train_docs, eval_docs, seq_length):
             kbert.data.create_pretraining_data(
                 inputs, tokenizer, out, masking=masking, dupe_factor=dupe, seed=args.seed
             )
-    return root, masking
 
 
-def datasets(args, tokenizer, root, masking, train_docs, batch_size):
-    """(make_train(skip_batches), the held-out dataset, its number of batches)."""
+def datasets(args, tokenizer, root, masking, train_docs, batch_size, replicas=1):
+    """(make_train(skip_batches), the held-out dataset, its number of batches).
+
+    With several replicas every held-out batch is full (a batch splits
+    evenly between devices and processes)."""
     t, p = masking.max_seq_length, masking.max_predictions_per_seq
     if args.data_mode == "dynamic":
         tokenized = kbert.data.tokenize_documents(train_docs, tokenizer)
@@ -216,10 +245,11 @@ def datasets(args, tokenizer, root, masking, train_docs, batch_size):
         t,
         p,
         shuffle=False,
-        drop_remainder=False,
+        drop_remainder=replicas > 1,
     )
     with open(os.path.join(root, "eval", "manifest.json")) as f:
-        available = -(-json.load(f)["instances"] // batch_size)
+        instances = json.load(f)["instances"]
+    available = instances // batch_size if replicas > 1 else -(-instances // batch_size)
     eval_steps = min(args.eval_batches, available)  # a count Keras knows: no end-of-data warning
     return make_train, evaluation.take(eval_steps), eval_steps
 
@@ -269,18 +299,19 @@ def compile_model(model, args, scope, steps, warmup):
 
 def callbacks(args, phase, evaluation, eval_steps):
     """Curve points (training every --log-every steps, held-out at each
-    checkpoint), the per-checkpoint CSV log, and TensorBoard when installed."""
+    checkpoint), the per-checkpoint CSV log, and TensorBoard when installed
+    (the logs from process 0 alone)."""
     logs = os.path.join(args.output_dir, "logs")
+    curves = CurveLogger(
+        os.path.join(args.output_dir, "curves.jsonl"),
+        every=args.log_every,
+        validation_data=evaluation,
+        validation_steps=eval_steps,
+    )
+    if process_index() != 0:
+        return [curves]  # it evaluates on every process and writes on process 0
     os.makedirs(logs, exist_ok=True)
-    out = [
-        CurveLogger(
-            os.path.join(args.output_dir, "curves.jsonl"),
-            every=args.log_every,
-            validation_data=evaluation,
-            validation_steps=eval_steps,
-        ),
-        keras.callbacks.CSVLogger(os.path.join(logs, f"{phase}.csv"), append=True),
-    ]
+    out = [curves, keras.callbacks.CSVLogger(os.path.join(logs, f"{phase}.csv"), append=True)]
     try:
         import tensorboard  # noqa: F401
         import tensorflow  # noqa: F401  (TensorBoard writes through tf.summary)
@@ -347,9 +378,15 @@ def main(argv=None):
     backend = keras.backend.backend()
     print(f"backend: {backend}, distribution: {args.distribution}, dtype: {args.dtype}")
 
+    # First: jax.distributed starts before any JAX computation.
+    scope, replicas = distribution_scope(
+        args.distribution,
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
     tokenizer = prepare_vocabulary(args)
     train_docs, eval_docs = split_documents(args)
-    scope, replicas = distribution_scope(args.distribution)
     if args.batch_size % replicas:
         raise SystemExit(f"--batch-size {args.batch_size} is not divisible by {replicas} replicas")
     model = build_model(args, tokenizer, scope)
@@ -371,7 +408,7 @@ def main(argv=None):
     for phase, seq_length, batch_size, steps in phases:
         root, masking = make_data(args, tokenizer, train_docs, eval_docs, seq_length)
         make_train, evaluation, eval_steps = datasets(
-            args, tokenizer, root, masking, train_docs, batch_size
+            args, tokenizer, root, masking, train_docs, batch_size, replicas
         )
         fit_resumable(
             model,
@@ -390,6 +427,9 @@ def main(argv=None):
             f"NSP accuracy {results['nsp_accuracy']:.3f} (chance 0.5)"
         )
 
+    if process_index() != 0:
+        print(f"process {process_index()}: done in {time.time() - started:.0f} s")
+        return results
     keras_path = os.path.join(args.output_dir, "pretrainer.keras")
     preset_dir = os.path.join(args.output_dir, "preset")
     model.save(keras_path)

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from kbert.backend import ops as backend_ops
+from kbert.training.distribution import any_process, process_count, process_index
 
 STATE_FILE = "state.json"
 ARRAYS_FILE = "variables.npz"
@@ -30,8 +31,11 @@ def _variables(model):
 
 
 def save_checkpoint(model, directory, step, keep=2, extra=None):
-    """Writes `<directory>/ckpt-<step>/` atomically; keeps the newest `keep`."""
-    os.makedirs(directory, exist_ok=True)
+    """Writes `<directory>/ckpt-<step>/` atomically; keeps the newest `keep`.
+
+    With several processes (`jax-data-parallel` on several hosts) every
+    process checks the values, which are replicated, and process 0 alone
+    writes: `directory` must be one that all processes share."""
     model_vars, opt_vars = _variables(model)
     arrays = {
         f"model_{i:05d}": np.asarray(keras.ops.convert_to_numpy(v))
@@ -48,6 +52,9 @@ def save_checkpoint(model, directory, step, keep=2, extra=None):
         if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
             raise NonFiniteLossError(f"refusing to checkpoint step {step}: {name} is not finite")
     final = os.path.join(directory, f"ckpt-{step:09d}")
+    if process_index() != 0:
+        return final
+    os.makedirs(directory, exist_ok=True)
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
@@ -88,7 +95,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     state at the end of every fit "epoch" (one checkpoint interval), stops at
     the first non-finite loss without saving it, and on a termination request
     (`request_stop`, e.g. from a SIGTERM handler) saves at the current step
-    and stops.
+    and stops. With several processes, which must stop at the same step, a
+    request on any of them stops all at the next regular checkpoint.
 
     Args:
         directory: str. checkpoint directory.
@@ -129,7 +137,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self.failed_step = self.step
             self.model.stop_training = True
             return
-        if self._stop_requested and self.stopped_at is None:
+        if self._stop_requested and self.stopped_at is None and process_count() == 1:
             save_checkpoint(self.model, self.directory, self.step, self.keep)
             self.stopped_at = self.step
             self.model.stop_training = True
@@ -138,6 +146,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self.failed_step is not None or self.stopped_at is not None:
             return
         save_checkpoint(self.model, self.directory, self.step, self.keep)
+        if process_count() > 1 and any_process(self._stop_requested):
+            self.stopped_at = self.step
+            self.model.stop_training = True
 
 
 class CurveLogger(keras.callbacks.Callback):
@@ -158,6 +169,9 @@ class CurveLogger(keras.callbacks.Callback):
     back afterwards (torch's global generator, which creating a data iterator
     draws from): unlike `fit(validation_data=...)`, evaluating leaves the
     training run, and exact resumption, unchanged.
+
+    With several processes, every process evaluates (a collective step)
+    and process 0 alone writes the file.
 
     Args:
         path: str. the JSON-lines file.
@@ -189,6 +203,8 @@ class CurveLogger(keras.callbacks.Callback):
         if self.model.optimizer is None:
             raise ValueError("CurveLogger needs a compiled model (it counts optimizer steps)")
         self.step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        if process_index() != 0:
+            return
         kept = [p for p in read_curves(self.path) if p["step"] <= self.step]
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
@@ -241,6 +257,8 @@ class CurveLogger(keras.callbacks.Callback):
         self._write(point)
 
     def _write(self, point):
+        if process_index() != 0:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(point) + "\n")
 

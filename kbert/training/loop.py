@@ -18,6 +18,7 @@ from kbert.training.callbacks import (
     _backend_rng_state,
     _variables,
 )
+from kbert.training.distribution import same_on_all_processes
 
 
 def latest_checkpoint(directory):
@@ -82,10 +83,13 @@ def fit_resumable(
     Args:
         model: compiled keras.Model.
         make_dataset: callable(skip_batches) -> an endless deterministic
-            dataset of batches that starts `skip_batches` batches in.
+            dataset of batches that starts `skip_batches` batches in. With
+            several processes, each returns the same global batches (a
+            `tf.data.Dataset`); Keras gives each process its share.
         total_steps: int. a multiple of `steps_per_checkpoint`.
         checkpoint_dir: str. where checkpoints live; an existing checkpoint
-            there is resumed from.
+            there is resumed from. With several processes, a directory they
+            all share: process 0 writes, every process reads.
         steps_per_checkpoint: int.
         callbacks: more Keras callbacks (CSVLogger, TensorBoard, ...).
 
@@ -104,6 +108,8 @@ def fit_resumable(
     checkpoint = latest_checkpoint(checkpoint_dir)
     if checkpoint is not None:
         start = restore_checkpoint(model, checkpoint)
+    # Several processes (one per host) must resume from one checkpoint.
+    start = same_on_all_processes(start, f"the step to resume from in {checkpoint_dir}")
     if start >= total_steps:
         return None, start
     saver = ResumableCheckpoint(checkpoint_dir, steps_per_checkpoint, keep, start_step=start)

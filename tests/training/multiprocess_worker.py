@@ -1,0 +1,134 @@
+"""One process of a tiny resumable pre-training run on CPU, alone or as one of
+several JAX processes (used by test_jax_multiprocess.py).
+
+    python -m tests.training.multiprocess_worker CHECKPOINT_DIR OUT.npz \
+        [--coordinator-address HOST:PORT --num-processes N --process-id I] \
+        [--kill-at N] [--term-at N] [--seed S]
+
+Without --num-processes: one process, one device, no distribution. With it:
+`jax-data-parallel` over N processes (one CPU device each: the caller sets
+JAX_PLATFORMS=cpu). Every process feeds the same global batches; Keras gives
+each process its share. --kill-at N: SIGKILL itself after step N. --term-at
+N: SIGTERM itself after step N (all processes then stop at the next
+checkpoint and exit 143). A finished
+run writes the final weights, the losses and the process count to OUT.npz
+(process 0 only). Progress goes to stderr, so a failing test shows where a
+process stopped.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import keras
+import numpy as np
+
+import kbert
+from kbert.training import create_optimizer, distribution_scope, fit_resumable
+from kbert.training.distribution import process_count, process_index
+from tests.harness import TINY
+from tests.models.test_pretrainer import batch
+
+TOTAL, EVERY, GLOBAL_BATCH = 6, 2, 4
+STARTED = time.time()
+
+
+def log(*what):
+    print(f"[{time.time() - STARTED:6.1f} s]", *what, file=sys.stderr, flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("checkpoint_dir")
+    p.add_argument("out")
+    p.add_argument("--coordinator-address")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    p.add_argument("--kill-at", type=int)
+    p.add_argument("--term-at", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    keras.utils.set_random_seed(args.seed)  # a restarted process gets other initial weights
+    engine = "none" if args.num_processes is None else "jax-data-parallel"
+    scope, replicas = distribution_scope(
+        engine,
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+    log(f"process {process_index()} of {process_count()}, {replicas} replica(s)")
+    import tensorflow as tf
+
+    # Global batches of 4 whose halves weigh different numbers of predictions
+    # (one row has padding slots only): the loss must be normalised over the
+    # global batch, not per process.
+    items = [batch(seed=i, batch_size=GLOBAL_BATCH) for i in range(4)]
+    examples = keras.tree.map_structure(lambda *a: np.concatenate(a), *items)
+
+    def make(skip):
+        data = tf.data.Dataset.from_tensor_slices(examples)
+        # A static batch size: Keras splits each global batch between processes.
+        data = data.batch(GLOBAL_BATCH, drop_remainder=True)
+        return data.repeat().skip(skip)
+
+    with scope:
+        model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY))
+        model.compile(optimizer=create_optimizer(1e-3, TOTAL, 2))
+    log("built and compiled")
+
+    losses = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+            log(f"training from step {self.step}")
+
+        def on_train_batch_end(self, batch_index, logs=None):
+            self.step += 1
+            losses.append(float(logs["loss"]))
+            log(f"step {self.step}")
+            if self.step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.step == args.term_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        fit_resumable(
+            model,
+            make,
+            TOTAL,
+            args.checkpoint_dir,
+            steps_per_checkpoint=EVERY,
+            callbacks=[Record()],
+            verbose=0,
+        )
+    except SystemExit as stopped:  # stopped by SIGTERM after a checkpoint
+        log(f"exit {stopped.code}")
+        leave(args, stopped.code)
+    if process_index() == 0:
+        np.savez(
+            args.out,
+            *[keras.ops.convert_to_numpy(v) for v in model.weights],
+            losses=np.asarray(losses),
+            processes=process_count(),
+        )
+    log("done")
+    leave(args, 0)
+
+
+def leave(args, code):
+    if args.num_processes:
+        import jax
+
+        jax.distributed.shutdown()  # a barrier: no process leaves while another still works
+    # Skip the interpreter's teardown (tens of seconds of TensorFlow and
+    # thread-pool clean-up on a loaded machine), which is not under test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

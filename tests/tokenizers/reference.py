@@ -1,12 +1,12 @@
 """The two reference tokenizations the tests compare kbert against.
 
 `OriginalTokenizer` is a transcription of google-research/bert `tokenization.py`
-as of its last commit on master (eedf5716ce1268e56f0a50264a88cafad334ac61,
-2020-03-11): `FullTokenizer(vocab_file, do_lower_case)`, i.e. `BasicTokenizer`
+at master (eedf5716ce1268e56f0a50264a88cafad334ac61, the commit the shared data
+cites): `FullTokenizer(vocab_file, do_lower_case)`, i.e. `BasicTokenizer`
 (`_clean_text`, `_tokenize_chinese_chars`, `whitespace_tokenize`, per-token
 `lower()` + `_run_strip_accents`, `_run_split_on_punc`) then
 `WordpieceTokenizer(vocab, unk_token="[UNK]", max_input_chars_per_word=200)`.
-Its helpers are transcribed line for line, in particular `_is_control`, which
+Its helpers are transcribed rule for rule, in particular `_is_control`, which
 counts only categories Cc and Cf (an early 2018 revision of the file counted
 every C* category, as transformers still does).
 

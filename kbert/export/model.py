@@ -98,7 +98,8 @@ def export_model(model, filepath, format="tf_saved_model", verbose=None, **kwarg
     filepath = os.fspath(filepath)
     backend = keras.backend.backend()
     specs = input_specs(model)
-    dtype = keras.backend.standardize_dtype(model.compute_dtype)
+    embeddings = getattr(model, "backbone", model).get_layer("embeddings")
+    dtype = keras.backend.standardize_dtype(embeddings.compute_dtype)
     if format == "onnx" and dtype != "float32":
         raise ValueError(
             f"ONNX export needs a float32 model, {model.name} computes in {dtype}; rebuild "

@@ -65,11 +65,17 @@ def export_text_model(model, filepath, verbose=False):
     import tensorflow as tf
 
     endpoints = _endpoints(model, kind)
-    archive = keras.export.ExportArchive()
-    archive.track(model)
+    module = tf.Module()
+    module.model_variables = list(model.variables)  # saved with the graph
+    signatures = {}
     for name, (fn, signature) in endpoints.items():
-        archive.add_endpoint(name, tf.function(fn, autograph=False), input_signature=signature)
-    archive.write_out(filepath, verbose=verbose)
+        function = tf.function(fn, input_signature=signature, autograph=False)
+        setattr(module, name, function)
+        signatures[name] = function.get_concrete_function()  # one trace each
+    signatures["serving_default"] = signatures["serve"]
+    tf.saved_model.save(module, filepath, signatures=signatures)
+    if verbose:
+        print(f"Saved {model.name} taking raw strings at {filepath}: {sorted(endpoints)}")
     return filepath
 
 

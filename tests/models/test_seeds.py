@@ -114,10 +114,10 @@ def test_seed_sets_dropout_masks(models):
     np.testing.assert_array_equal(*outputs)
 
 
-def test_dropout_masks_change_each_step_in_compiled_fit():
+def test_dropout_masks_change_each_step_in_compiled_fit(models):
     # Every batch holds the same examples: losses differ only by the masks.
     texts, labels = [TEXTS[0]] * 12, np.zeros(12, "int32")
-    losses = step_losses(classifier(2), 0, texts=texts, labels=labels)
+    losses = step_losses(models[2], 0, texts=texts, labels=labels)
     assert np.ptp(losses) > 1e-4, f"the same loss at every step: {losses}"
 
 

@@ -271,8 +271,8 @@ def cuda_graph_supported(model, force=False):
 
 
 class GraphedTrainStep:
-    """`train_step` captured once as a CUDA graph and replayed for every
-    later batch of the same shape, for the duration of one `fit`.
+    """`train_step` captured as a CUDA graph per batch shape and replayed
+    for every later batch of that shape, for the duration of one `fit`.
 
     The eager step issues ~2,000 kernels through Keras' Python layers; on a
     GPU the host cannot issue them as fast as the GPU runs them, so the step
@@ -283,24 +283,29 @@ class GraphedTrainStep:
     in place). Dropout draws from torch's default CUDA generator, which a
     graph advances on every replay (fresh masks each step).
 
+    Shapes: length-bucketed batches (`kbert.models.batching`) come in a
+    handful of shapes; each gets its graph, all graphs share one memory
+    pool. A shape runs eagerly on the capture stream the first time it is
+    seen (lazy CUDA state for its kernels is made outside any graph) and
+    is captured the next time; at most `MAX_GRAPHS` shapes are captured,
+    later ones run eagerly.
+
     Lifetime: one `fit` (`Task.fit` makes it and drops it), so variables
     cannot be re-created under it. The first `WARMUP` steps of a fit run
     eagerly on the capture stream (optimizer slots and metric variables are
-    built, lazy CUDA state is made outside the graph), the next is captured
-    and replayed; a batch of another shape (the last partial batch) runs
-    eagerly. If capture fails, a warning says why and the fit goes on
+    built). If capture fails, a warning says why and the fit goes on
     eagerly.
     """
 
     WARMUP = 2
+    MAX_GRAPHS = 16
 
     def __init__(self, model):
         self.model = model
         self.stream = torch.cuda.Stream()
-        self.graph = None
-        self.signature = None
-        self.static_inputs = None
-        self.static_logs = None
+        self.graphs = {}  # signature -> (graph, static inputs, static logs)
+        self.seen = set()
+        self.pool = None
         self.eager_steps = 0
         self.replays = 0
         self.failed = None  # why capture failed, if it did
@@ -312,27 +317,29 @@ class GraphedTrainStep:
         torch.cuda.current_stream().wait_stream(self.stream)
         return logs
 
-    def _capture(self, data):
-        signature = _signature(data)
+    def _capture(self, data, signature):
         static_inputs = to_device(data)
         leaves = [v for v in keras.tree.flatten(static_inputs) if v is not None]
         if not all(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves):
             # e.g. float64 arrays, which Keras converts inside the step
             return self._give_up("a batch holds arrays that are not integer or float32", data)
-        # Grads made inside the capture live in the graph's memory pool.
+        # Grads made inside the capture live in the graphs' memory pool.
         self.model.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         previous = torch.cuda.current_stream()
         try:
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+            ):
                 static_logs = train_step(self.model, static_inputs)
         except Exception as error:  # a step that cannot be captured trains eagerly
             torch.cuda.set_stream(previous)  # a failed capture_end skips the stream's restore
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             return self._give_up(f"{type(error).__name__}: {str(error)[:300]}", data)
-        self.graph, self.signature = graph, signature
-        self.static_inputs, self.static_logs = static_inputs, static_logs
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[signature] = (graph, static_inputs, static_logs)
         graph.replay()  # capture records the step without running it
         self.replays += 1
         return static_logs
@@ -347,24 +354,30 @@ class GraphedTrainStep:
         return train_step(self.model, data)
 
     def __call__(self, data):
-        if self.graph is not None and _signature(data) == self.signature:
-            keras.tree.map_structure(_copy_into, self.static_inputs, data)
-            self.graph.replay()
+        signature = _signature(data)
+        captured = self.graphs.get(signature)
+        if captured is not None:
+            graph, static_inputs, static_logs = captured
+            keras.tree.map_structure(_copy_into, static_inputs, data)
+            graph.replay()
             self.replays += 1
-            return self.static_logs
-        capturing = self.graph is None and not self.failed
-        if capturing and self.eager_steps >= self.WARMUP:
-            return self._capture(data)  # counted as a replay
+            return static_logs
+        capturing = not self.failed and len(self.graphs) < self.MAX_GRAPHS
+        if capturing and self.eager_steps >= self.WARMUP and signature in self.seen:
+            return self._capture(data, signature)  # counted as a replay
+        self.seen.add(signature)
         self.eager_steps += 1
         if capturing:
             return self._eager_on_capture_stream(data)
         return train_step(self.model, data)
 
     def stats(self):
-        """Replayed and eager steps of this fit, and why capture failed (or None)."""
+        """Replayed and eager steps of this fit, graphs captured, and why
+        capture failed (or None)."""
         return {
             "replays": self.replays,
             "eager_steps": self.eager_steps,
+            "graphs": len(self.graphs),
             "capture_failed": self.failed,
         }
 
@@ -419,3 +432,134 @@ def task_test_step(keras_test_step, *args, **kwargs):
     and metric constants made on the device."""
     with constants_on_device():
         return keras_test_step(*to_device(args), **kwargs)
+
+
+class GraphedForward:
+    """The inference forward `model(x, training=False)` captured as a CUDA
+    graph per input shape and replayed, for the duration of one `predict`.
+
+    Keras' eager forward issues each kernel from Python; on short inputs the
+    GPU waits for the host. Shapes come from length buckets (a handful);
+    a shape runs eagerly the first time it is seen and is captured the
+    next time (up to `MAX_GRAPHS` shapes, all in one memory pool). Replay
+    outputs live in the graph's buffers, so they are cloned before Keras
+    keeps them. If capture fails, a warning says why and the call goes on
+    eagerly.
+    """
+
+    MAX_GRAPHS = 16
+
+    def __init__(self, model):
+        self.model = model
+        self.stream = torch.cuda.Stream()
+        self.graphs = {}  # signature -> (graph, static inputs, static outputs)
+        self.seen = set()
+        self.pool = None
+        self.replays = 0
+        self.eager_calls = 0
+        self.failed = None
+
+    def _eager(self, x):
+        self.eager_calls += 1
+        with torch.no_grad():
+            return self.model(x, training=False)
+
+    def _capture(self, x, signature):
+        static_inputs = keras.tree.map_structure(
+            lambda v: v.clone() if isinstance(v, torch.Tensor) else v, x
+        )
+        leaves = [v for v in keras.tree.flatten(static_inputs) if v is not None]
+        if not all(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves):
+            self.failed = "inputs that are not CUDA tensors"
+            return self._eager(x)
+        graph = torch.cuda.CUDAGraph()
+        previous = torch.cuda.current_stream()
+        try:
+            with (
+                torch.no_grad(),
+                torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ),
+            ):
+                static_outputs = self.model(static_inputs, training=False)
+        except Exception as error:  # a forward that cannot be captured runs eagerly
+            torch.cuda.set_stream(previous)
+            torch.cuda.synchronize()
+            self.failed = f"{type(error).__name__}: {str(error)[:300]}"
+            warnings.warn(
+                f"kbert: the inference forward could not be captured as a CUDA graph "
+                f"({self.failed}); predict goes on eagerly"
+            )
+            return self._eager(x)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[signature] = (graph, static_inputs, static_outputs)
+        return self._replay(signature, x)
+
+    def _replay(self, signature, x):
+        graph, static_inputs, static_outputs = self.graphs[signature]
+        keras.tree.map_structure(_copy_into, static_inputs, x)
+        graph.replay()
+        self.replays += 1
+        return keras.tree.map_structure(
+            lambda v: v.clone() if isinstance(v, torch.Tensor) else v, static_outputs
+        )
+
+    def __call__(self, x):
+        signature = _signature(x)
+        if signature in self.graphs:
+            return self._replay(signature, x)
+        if self.failed or len(self.graphs) >= self.MAX_GRAPHS:
+            return self._eager(x)
+        if signature not in self.seen:
+            # warm-up on the capture stream: lazy CUDA state made outside a graph
+            self.seen.add(signature)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                outputs = self._eager(x)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            return outputs
+        return self._capture(x, signature)
+
+    def stats(self):
+        return {
+            "replays": self.replays,
+            "eager_calls": self.eager_calls,
+            "graphs": len(self.graphs),
+            "capture_failed": self.failed,
+        }
+
+
+@contextlib.contextmanager
+def predict_context(model):
+    """What a task's `predict` runs inside on torch with a GPU: the forward
+    replayed as a CUDA graph per input shape (`model.cuda_graph_stats`
+    keeps the counts), unless `compile(cuda_graph=False)`."""
+    graph = getattr(model, "cuda_graph", "auto")
+    if (
+        not graph
+        or not str(keras_internals.torch_device()).startswith("cuda")
+        or getattr(model, "jit_compile", False) is True
+        or (
+            graph == "auto"
+            and not _defined_by_keras_or_kbert([type(model).call, type(model).predict_step])
+        )
+    ):
+        yield
+        return
+    model.graphed_forward = GraphedForward(model)
+    try:
+        yield
+    finally:
+        model.cuda_graph_stats = model.graphed_forward.stats()
+        model.graphed_forward = None
+
+
+def task_predict_step(model, keras_predict_step, data):
+    """A task's predict step on torch: the graphed forward inside a
+    graphed predict, else Keras' step."""
+    graphed = getattr(model, "graphed_forward", None)
+    if graphed is None:
+        return keras_predict_step(data)
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    return graphed(x)

@@ -4,10 +4,11 @@ Shapes: B batch, T tokens, H hidden, L layers.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from kbert.layers import BertEmbeddings, Pooler, TransformerEncoderBlock, canonical_activation
-from kbert.models import preset_io
+from kbert.models import batching, preset_io
 from kbert.presets.architectures import architecture_config
 from kbert.presets.io import save_backbone
 from kbert.utils import checks
@@ -162,7 +163,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         return [self.get_layer(f"transformer_layer_{i}") for i in range(self.num_layers)]
 
     def check_inputs(self, inputs):
-        """Raises a clear ValueError for ids or lengths the model cannot take."""
+        """Raises a clear ValueError for ids, masks or lengths the model
+        cannot take (host values only; see `kbert.utils.checks`)."""
         if not isinstance(inputs, dict):
             return
         missing = [name for name in INPUT_NAMES if name not in inputs]
@@ -170,11 +172,9 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             raise ValueError(
                 f"inputs lack {missing}; BertBackbone takes a dict with {list(INPUT_NAMES)}"
             )
-        token_ids = inputs["token_ids"]
-        if checks.is_concrete(token_ids):
-            checks.check_sequence_length(int(token_ids.shape[1]), self.max_sequence_length)
-            checks.check_token_ids(token_ids, self.vocabulary_size)
-            checks.check_token_ids(inputs["segment_ids"], self.type_vocab_size, "segment_ids")
+        checks.check_model_inputs(
+            inputs, self.vocabulary_size, self.type_vocab_size, self.max_sequence_length
+        )
 
     def __call__(self, inputs, *args, **kwargs):
         if isinstance(inputs, dict) and set(inputs) != set(INPUT_NAMES):
@@ -184,11 +184,32 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                     f"inputs lack {missing}; BertBackbone takes a dict with {list(INPUT_NAMES)}"
                 )
             inputs = {name: inputs[name] for name in INPUT_NAMES}  # ignore extra keys
+        if not checks.host_checked():
+            # eager calls on concrete values (traced ones are checked on the
+            # host before fit / predict send them)
+            self.check_inputs(inputs)
         return super().__call__(inputs, *args, **kwargs)
 
     def predict(self, x, *args, **kwargs):
         self.check_inputs(x)
-        return super().predict(x, *args, **kwargs)
+        with checks.inputs_checked_on_host():
+            return super().predict(x, *args, **kwargs)
+
+    def predict_on_batch(self, x):
+        """Keras `predict_on_batch`; inputs of any length are checked, padded
+        to their bucket length (a compiled backend compiles once per bucket,
+        not once per length) and `sequence_output` sliced back."""
+        self.check_inputs(x)
+        length = None
+        if isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values()):
+            x, length = batching.pad_to_bucket(x, limit=self.max_sequence_length)
+        with checks.inputs_checked_on_host():
+            out = super().predict_on_batch(x)
+        if length is not None and length != x["padding_mask"].shape[-1]:
+            out = {**out, "sequence_output": out["sequence_output"][:, :length]}
+            if "hidden_states" in out:  # (B, L + 1, T, H)
+                out["hidden_states"] = out["hidden_states"][:, :, :length]
+        return out
 
     def get_config(self):
         return {

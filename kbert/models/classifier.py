@@ -34,8 +34,6 @@ class BertClassifier(Task):
     >>> model.compile()
     """
 
-    bucket_raw_text = True  # one output per example: predict raw text in length buckets
-
     def __init__(
         self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs
     ):

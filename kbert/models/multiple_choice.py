@@ -60,8 +60,6 @@ class BertMultipleChoice(Task):
     >>> mc = BertMultipleChoice(backbone, num_choices=4)
     """
 
-    bucket_raw_text = True  # one output per example: predict raw text in length buckets
-
     def __init__(
         self, backbone, num_choices, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs
     ):

@@ -48,6 +48,9 @@ class _PreTrainingTask(Task):
     """Shared graph and loss of BertPreTrainer and BertMaskedLM."""
 
     with_nsp = True
+    # Pre-training datasets are packed to full length, and a TPU needs the
+    # static shapes they have: tf.data batches are not cut to buckets.
+    bucket_datasets = False
 
     def __init__(self, backbone, preprocessor=None, **kwargs):
         policy = backbone.get_layer("embeddings").dtype_policy

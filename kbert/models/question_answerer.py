@@ -23,6 +23,22 @@ QAFeatures = collections.namedtuple(
 )
 
 
+# The span logit of a padding position: no answer starts or ends there, and
+# the softmax over positions does not depend on how much padding a batch has.
+PADDING_LOGIT = -1e9
+
+
+@keras.saving.register_keras_serializable(package="kbert")
+class PaddingMasked(keras.layers.Layer):
+    """(B, T) logits -> the same with padding positions set to `PADDING_LOGIT`."""
+
+    def call(self, logits, padding_mask):
+        return keras.ops.where(padding_mask > 0, logits, keras.ops.full_like(logits, PADDING_LOGIT))
+
+    def compute_output_spec(self, logits, padding_mask):
+        return keras.KerasTensor(logits.shape, dtype=logits.dtype)
+
+
 @keras.saving.register_keras_serializable(package="kbert")
 class BertQuestionAnswerer(Task):
     """Answer-span prediction: a start and an end vector over every token.
@@ -79,9 +95,10 @@ class BertQuestionAnswerer(Task):
         logits = self.logits_head(
             backbone(inputs)["sequence_output"], backbone, 2, 0.0
         )  # (B, T, 2)
+        mask = inputs["padding_mask"]
         outputs = {
-            "start_logits": keras.layers.Identity(name="start_logits")(logits[:, :, 0]),
-            "end_logits": keras.layers.Identity(name="end_logits")(logits[:, :, 1]),
+            "start_logits": PaddingMasked(name="start_logits")(logits[:, :, 0], mask),
+            "end_logits": PaddingMasked(name="end_logits")(logits[:, :, 1], mask),
         }
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self._set_backbone(backbone, preprocessor)
@@ -280,21 +297,24 @@ class BertQuestionAnswerer(Task):
             y = {"start_logits": y["start_positions"], "end_logits": y["end_positions"]}
         return x, y
 
+    token_outputs = True  # start/end logits per token
+    token_output_fill = PADDING_LOGIT
+
     def fit(self, x=None, y=None, *args, validation_data=None, **kwargs):
         x, y = self._features_and_targets(x, y)
         if isinstance(validation_data, tuple) and len(validation_data) == 2:
             validation_data = self._features_and_targets(*validation_data)
-        return keras.Model.fit(self, x, y, *args, validation_data=validation_data, **kwargs)
+        return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         x, y = self._features_and_targets(x, y)
-        return keras.Model.evaluate(self, x, y, *args, **kwargs)
+        return super().evaluate(x, y, *args, **kwargs)
 
     def predict_answers(self, questions, contexts, batch_size=32, return_scores=False):
         """Raw questions and contexts -> answer strings (substrings of the
         contexts; "" for no answer when `null_score_threshold` is set)."""
         features = self.prepare_features(questions, contexts)
-        outputs = keras.Model.predict(self, features.x, batch_size=batch_size, verbose=0)
+        outputs = self.predict(features.x, batch_size=batch_size, verbose=0)
         return self.postprocess(features, outputs, contexts, return_scores=return_scores)
 
     def postprocess(self, features, outputs, contexts, return_scores=False):

@@ -5,12 +5,7 @@ in-graph form; model-input dicts pass through."""
 
 import sys
 
-import keras
 import numpy as np
-
-# Raw-text predictions run each batch cut to its longest sequence rounded up
-# to a multiple of this.
-BUCKET = 16
 
 
 def is_text(x):
@@ -76,28 +71,17 @@ def convert(task, x, y, with_targets=True):
         if task.preprocessor is None:
             return x, y
         return map_dataset(task.preprocessor, x, with_targets), y
+    if task.preprocessor is None and (
+        is_text(x) or (isinstance(x, tuple) and len(x) == 2 and is_text(x[0]))
+    ):
+        raise ValueError(
+            f"{type(task).__name__} got raw text but has no preprocessor to tokenize it; "
+            "attach one: `model.preprocessor = kbert.BertPreprocessor.from_directory("
+            "<directory with vocab.txt>, sequence_length=128)` (or "
+            "`kbert.BertPreprocessor(kbert.BertTokenizer(<vocab.txt>, lowercase=...))`), "
+            "or pass model inputs (a dict with token_ids, segment_ids, padding_mask)"
+        )
     if y is not None:
         checked = task.check_targets(y)
         y = y if checked is None else checked
     return task.preprocess_samples(x), y
-
-
-def predict_in_buckets(task, x, batch_size):
-    """`task.predict_on_batch` over right-padded model inputs, each batch
-    cut to its longest sequence rounded up to a multiple of `BUCKET`: the
-    same numbers (padding is masked), and a compiled backend compiles once
-    per bucket, not once per length."""
-    full = x["padding_mask"].shape[-1]
-    outputs = []
-    for start in range(0, len(x["padding_mask"]), batch_size):
-        batch = {name: value[start : start + batch_size] for name, value in x.items()}
-        # Preprocessor output is right-padded: the columns past the
-        # longest sequence are padding in every row.
-        longest = int(np.max(np.sum(batch["padding_mask"], axis=-1), initial=1))
-        length = min(full, -(-longest // BUCKET) * BUCKET)
-        outputs.append(
-            task.predict_on_batch({name: value[..., :length] for name, value in batch.items()})
-        )
-    if not outputs:
-        return None
-    return keras.tree.map_structure(lambda *parts: np.concatenate(parts, axis=0), *outputs)

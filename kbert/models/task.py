@@ -4,17 +4,20 @@ compile defaults and the config. Raw-text handling lives in
 backends' training-step set-up in `kbert.backend`."""
 
 import contextlib
+import inspect
 
 import keras
+import numpy as np
 
 from kbert import backend
 from kbert.backend import keras_internals
 from kbert.backend import tensorflow as tf_backend
 from kbert.layers.adapters import train_only_adapters
-from kbert.models import preset_io, raw_text
+from kbert.models import batching, preset_io, raw_text
 from kbert.models.backbone import BertBackbone
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
+from kbert.utils import checks
 
 if backend.is_torch():
     from kbert.backend import torch_step
@@ -123,52 +126,204 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
     def check_targets(self, y):
         """Raises a clear error for targets the task cannot learn from."""
 
-    def fit(self, x=None, y=None, *args, validation_data=None, **kwargs):
-        x, y = raw_text.convert(self, x, y)
-        if isinstance(validation_data, tuple) and len(validation_data) >= 2:
-            vx, vy = raw_text.convert(self, validation_data[0], validation_data[1])
-            validation_data = (vx, vy) + tuple(validation_data[2:])
-        elif raw_text.is_tf_dataset(validation_data):
-            validation_data = raw_text.convert(self, validation_data, None)[0]
+    # Targets and weights with a token axis (per-token labels) are cut with
+    # the inputs when batches are bucketed.
+    token_targets = False
+    # Outputs with a token axis (axis 1): bucketed predictions are padded
+    # back to the input length with `token_output_fill`.
+    token_outputs = False
+    token_output_fill = 0.0
+    # Whether batched tf.data inputs are cut to bucket lengths too.
+    bucket_datasets = True
+
+    def input_limits(self):
+        """The ranges model inputs are checked against."""
+        backbone = self.backbone
+        return {
+            "vocabulary_size": backbone.vocabulary_size,
+            "type_vocab_size": backbone.type_vocab_size,
+            "max_sequence_length": backbone.max_sequence_length,
+        }
+
+    def _prepare_inputs(self, x, bucket):
+        """Model inputs checked before a backend sees them: host arrays here
+        (one numpy pass), tf.data datasets in their pipeline (and cut to
+        bucket lengths when `bucket`, a multiple or 0)."""
+        if raw_text.is_tf_dataset(x):
+            bucket = bucket if self.bucket_datasets else 0
+            return batching.map_dataset(
+                x, self.input_limits(), self.token_targets, bool(bucket), bucket or 1
+            )
+        if isinstance(x, dict):
+            checks.check_model_inputs(x, **self.input_limits())
+        return x
+
+    def _bucketed(self, x, y, sample_weight, batch_size, shuffle, multiple, group_by_length=False):
+        return batching.BucketedBatches(
+            x,
+            y,
+            sample_weight,
+            batch_size=batch_size or 32,
+            shuffle=bool(shuffle),
+            group_by_length=group_by_length,
+            token_targets=self.token_targets,
+            multiple=multiple,
+        ).as_dataset()
+
+    def fit(self, x=None, y=None, *args, bucket_lengths=True, group_by_length=False, **kwargs):
+        """Keras `fit`, on model inputs, raw text or `tf.data`.
+
+        Inputs are checked before any backend gathers (ids, segment ids,
+        mask values, lengths). With `bucket_lengths` (the default), each
+        batch of host arrays or of a batched `tf.data` dataset is cut to
+        its longest sequence rounded up to a multiple of 16 (see
+        `kbert.models.batching`): the same losses as padding to the full
+        length, for a fraction of the work. Not with `validation_split`,
+        `class_weight` or `steps_per_epoch` (Keras' own batching then).
+        `group_by_length`: batch examples of similar length together (the
+        batch order stays random), for less padding still.
+        """
+        a = _bind(keras.Model.fit, x, y, *args, **kwargs)
+        bucket_lengths = _multiple(bucket_lengths)
+        a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
+        a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
+        if (
+            bucket_lengths
+            and not a["validation_split"]
+            and a["class_weight"] is None
+            and a["steps_per_epoch"] is None
+            and batching.can_bucket(a["x"], a["y"], a["sample_weight"])
+        ):
+            a["x"] = self._bucketed(
+                a["x"],
+                a["y"],
+                a["sample_weight"],
+                a["batch_size"],
+                a["shuffle"],
+                bucket_lengths,
+                group_by_length,
+            )
+            a.update(y=None, sample_weight=None, batch_size=None, shuffle=False)
+        validation = a["validation_data"]
+        if isinstance(validation, tuple) and len(validation) >= 2:
+            vx, vy = raw_text.convert(self, validation[0], validation[1])
+            vx = self._prepare_inputs(vx, bucket_lengths)
+            vw = validation[2] if len(validation) > 2 else None
+            if bucket_lengths and a["validation_steps"] is None and batching.can_bucket(vx, vy, vw):
+                size = a["validation_batch_size"] or a["batch_size"] or 32
+                validation = self._bucketed(vx, vy, vw, size, False, bucket_lengths)
+                a["validation_batch_size"] = None
+            else:
+                validation = (vx, vy) + tuple(validation[2:])
+        elif raw_text.is_tf_dataset(validation):
+            validation = raw_text.convert(self, validation, None)[0]
+            validation = self._prepare_inputs(validation, bucket_lengths)
+        a["validation_data"] = validation
         # On torch: batches made on the host, copied without blocking by
         # kbert's step, which a GPU replays as a CUDA graph where it can.
         context = torch_step.fit_context(self) if backend.is_torch() else contextlib.nullcontext()
-        with context:
-            return super().fit(x, y, *args, validation_data=validation_data, **kwargs)
+        with context, _input_errors(), checks.inputs_checked_on_host():
+            return super().fit(**a)
 
-    def evaluate(self, x=None, y=None, *args, **kwargs):
-        x, y = raw_text.convert(self, x, y)
-        return super().evaluate(x, y, *args, **kwargs)
+    def evaluate(self, x=None, y=None, *args, bucket_lengths=True, **kwargs):
+        """Keras `evaluate`, with `fit`'s input checks and length buckets
+        (the batches of fixed-length padding, each cut to its bucket)."""
+        a = _bind(keras.Model.evaluate, x, y, *args, **kwargs)
+        bucket_lengths = _multiple(bucket_lengths)
+        a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
+        a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
+        if (
+            bucket_lengths
+            and a["steps"] is None
+            and batching.can_bucket(a["x"], a["y"], a["sample_weight"])
+        ):
+            a["x"] = self._bucketed(
+                a["x"], a["y"], a["sample_weight"], a["batch_size"], False, bucket_lengths
+            )
+            a.update(y=None, sample_weight=None, batch_size=None)
+        with _input_errors(), checks.inputs_checked_on_host():
+            return super().evaluate(**a)
 
-    # Tasks whose outputs have no token axis predict raw text in length
-    # buckets (see `raw_text.predict_in_buckets`); per-token outputs keep one length.
-    bucket_raw_text = False
+    def predict(
+        self, x, batch_size=None, verbose="auto", steps=None, callbacks=None, bucket_lengths=True
+    ):
+        """Keras `predict`, on model inputs, raw text or `tf.data`.
 
-    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        """Keras `predict`; raw text is tokenized first.
-
-        On raw text, tasks with one output per example (classifier,
-        embedder, multiple choice) run each batch cut to its longest
-        sequence rounded up to a multiple of 16, instead of
-        `preprocessor.sequence_length`: the same numbers (padding is
-        masked), several times faster on short texts, and a compiled
-        backend compiles once per bucket, not once per length.
+        Inputs are checked first. With `bucket_lengths`, host inputs run in
+        length order, each batch cut to its longest sequence rounded up to
+        a multiple of 16, and come back in input order (per-token outputs
+        padded back to the input length): the same numbers as full-length
+        padding (padding is masked), several times faster on short texts,
+        and a compiled backend compiles once per bucket, not once per length.
         """
-        raw = (
-            self.preprocessor is not None
-            and not isinstance(x, dict)
-            and not raw_text.is_tf_dataset(x)
-        )
+        bucket_lengths = _multiple(bucket_lengths)
         x, _ = raw_text.convert(self, x, None, with_targets=False)
-        bucketed = raw and self.bucket_raw_text and isinstance(x, dict)
-        if bucketed and steps is None and callbacks is None:
-            outputs = raw_text.predict_in_buckets(self, x, batch_size or 32)
-            if outputs is not None:
-                return outputs
-            return super().predict(x, batch_size=batch_size, verbose=0)
-        return super().predict(
-            x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        x = self._prepare_inputs(x, 0 if self.token_outputs else bucket_lengths)
+        # On torch with a GPU: the forward replayed as a CUDA graph per shape.
+        context = (
+            torch_step.predict_context(self) if backend.is_torch() else contextlib.nullcontext()
         )
+        with context, _input_errors(), checks.inputs_checked_on_host():
+            if bucket_lengths and steps is None and callbacks is None and batching.can_bucket(x):
+                return self._predict_bucketed(x, batch_size or 32, bucket_lengths)
+            return super().predict(
+                x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+            )
+
+    def _predict_bucketed(self, x, batch_size, multiple):
+        batches = batching.BucketedBatches(x, batch_size=batch_size, sort=True, multiple=multiple)
+        full = batches.full
+        # consecutive batches of one bucket length run as one Keras predict
+        groups, rows = [], []
+        for index, length in enumerate(batches.batch_lengths):
+            if groups and groups[-1][0] == length:
+                groups[-1][1].append(batches[index])
+                rows[-1].append(batches.batches[index])
+            else:
+                groups.append((length, [batches[index]]))
+                rows.append([batches.batches[index]])
+        parts = []
+        for _, group in groups:
+            out = super().predict(batching.BatchList(group).as_dataset(), verbose=0)
+            if self.token_outputs:
+                out = keras.tree.map_structure(
+                    lambda v: batching.pad_token_axis(v, full, self.token_output_fill), out
+                )
+            parts.append(out)
+        return batching.unsort(parts, [np.concatenate(r) for r in rows], len(batches.lengths))
+
+    def predict_on_batch(self, x):
+        """Keras `predict_on_batch`; model inputs of any length are checked,
+        padded to their bucket length (so a compiled backend compiles once
+        per bucket) and per-token outputs sliced back."""
+        x = self.preprocess_samples(x)
+        if not isinstance(x, dict) or not batching.can_bucket(x):
+            return super().predict_on_batch(x)
+        checks.check_model_inputs(x, **self.input_limits())
+        padded, length = batching.pad_to_bucket(x, limit=self.backbone.max_sequence_length)
+        with checks.inputs_checked_on_host():
+            out = super().predict_on_batch(padded)
+        if self.token_outputs and padded["padding_mask"].shape[-1] != length:
+            out = keras.tree.map_structure(lambda v: v[:, :length], out)
+        return out
+
+    def __call__(self, inputs, *args, **kwargs):
+        if isinstance(inputs, dict) and not checks.host_checked():
+            # eager calls on concrete values; traced ones were checked on the host
+            checks.check_model_inputs(inputs, **self.input_limits())
+        return super().__call__(inputs, *args, **kwargs)
+
+    def train_on_batch(self, x, y=None, *args, **kwargs):
+        x, y = raw_text.convert(self, x, y)
+        x = self._prepare_inputs(x, False)
+        with checks.inputs_checked_on_host():
+            return super().train_on_batch(x, y, *args, **kwargs)
+
+    def test_on_batch(self, x, y=None, *args, **kwargs):
+        x, y = raw_text.convert(self, x, y)
+        x = self._prepare_inputs(x, False)
+        with checks.inputs_checked_on_host():
+            return super().test_on_batch(x, y, *args, **kwargs)
 
     def compile(
         self,
@@ -219,6 +374,11 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             return torch_step.task_train_step(self, *args, **kwargs)
         return tf_backend.multi_worker_logs(self, super().train_step(*args, **kwargs))
 
+    def predict_step(self, *args, **kwargs):
+        if backend.is_torch():
+            return torch_step.task_predict_step(self, super().predict_step, *args, **kwargs)
+        return super().predict_step(*args, **kwargs)
+
     def test_step(self, *args, **kwargs):
         if backend.is_torch():
             # Validation inside fit gets host batches too (see fit), and
@@ -232,3 +392,42 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         self.compile(**config)
         if self.optimizer is not None and self.built:
             self.optimizer.build(self.trainable_variables)
+
+
+def _multiple(bucket_lengths):
+    """`bucket_lengths` (True, False or a multiple) -> the multiple, 0 for off."""
+    if bucket_lengths is True:
+        return batching.MULTIPLE
+    if bucket_lengths is False or bucket_lengths is None:
+        return 0
+    if isinstance(bucket_lengths, int) and bucket_lengths > 0:
+        return bucket_lengths
+    raise ValueError(
+        f"bucket_lengths must be True, False or a positive int (a multiple), got {bucket_lengths!r}"
+    )
+
+
+def _bind(method, *args, **kwargs):
+    """Every argument of a Keras `Model` method by name, defaults filled."""
+    bound = inspect.signature(method).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    arguments.update(arguments.pop("kwargs", {}))
+    return arguments
+
+
+@contextlib.contextmanager
+def _input_errors():
+    """An input check that failed inside a tf.data pipeline (see
+    `batching.map_dataset`) surfaces as a ValueError naming the input."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as error:
+        text = str(error)
+        if batching.CHECK_MARK not in text:
+            raise
+        detail = text[text.index(batching.CHECK_MARK) + len(batching.CHECK_MARK) :]
+        raise ValueError(detail.split("\n\t [[")[0].strip()) from None

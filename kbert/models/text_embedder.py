@@ -89,8 +89,6 @@ class BertTextEmbedder(Task):
     >>> embedder = BertTextEmbedder(kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16))
     """
 
-    bucket_raw_text = True  # one output per example: predict raw text in length buckets
-
     def __init__(
         self, backbone, pooling="mean", normalize=True, preprocessor=None, layer_mix=False, **kwargs
     ):

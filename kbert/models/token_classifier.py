@@ -139,6 +139,9 @@ class BertTokenClassifier(Task):
             and all(isinstance(s, (list, tuple)) for s in x)
         )
 
+    token_targets = True  # labels and weights per token
+    token_outputs = True  # logits per token
+
     def fit(self, x=None, y=None, *args, **kwargs):
         if self._is_word_lists(x):
             x, y, weights, _ = self.encode_words(x, y)

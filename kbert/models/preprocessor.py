@@ -78,7 +78,13 @@ class BertPreprocessor(keras.layers.Layer):
 
     def call(self, texts, pairs=None):
         if _is_tf_tensor(texts):
-            return self.tokenizer.tf_call(texts, pairs, self.sequence_length)
+            import tensorflow as tf  # already imported: `texts` is a TensorFlow tensor
+
+            # The in-graph tokenizer has no tensor-dependent Python control flow;
+            # autograph's conversion of it would only cost the first tf.data trace
+            # seconds.
+            tf_call = tf.autograph.experimental.do_not_convert(self.tokenizer.tf_call)
+            return tf_call(texts, pairs, self.sequence_length)
         texts = self._texts(texts, "texts")
         pairs = self._texts(pairs, "text pairs") if pairs is not None else None
         if pairs is not None and len(pairs) != len(texts):

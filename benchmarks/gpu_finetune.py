@@ -30,6 +30,7 @@ Systems:
                                      batches cut to length buckets (default)
     kbert-jax-b32, kbert-torch-b32   bucket lengths multiples of 32, not 16
                                      (fewer programs to compile, more padding)
+    kbert-tensorflow(-fixed)         the TensorFlow backend, where installed
     kbert-jax-fixed, kbert-torch-fixed   the same with `bucket_lengths=False`:
                                      every batch padded to 128
     hf-eager                         transformers, fast tokenizer, each batch
@@ -58,6 +59,8 @@ SYSTEMS = (
     "kbert-torch-b32",
     "kbert-jax-fixed",
     "kbert-torch-fixed",
+    "kbert-tensorflow",
+    "kbert-tensorflow-fixed",
     "hf-eager",
     "hf-compile",
 )
@@ -356,7 +359,12 @@ def child(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=[s for s in SYSTEMS if "tensorflow" not in s],
+        choices=SYSTEMS,
+    )
     parser.add_argument("--data-dir", default=DATA)
     parser.add_argument("--max-train", type=int, default=None, help="first N training examples")
     parser.add_argument("--vocab", default=None, help="uncased vocab.txt (default: MiniLM's)")

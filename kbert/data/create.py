@@ -83,6 +83,12 @@ def create_pretraining_data(
     os.makedirs(output_dir, exist_ok=True)
     state = {"vocabulary": tokenizer.vocabulary, "lowercase": tokenizer.lowercase}
     state.update({f"{k}_token": v for k, v in tokenizer.special_tokens.items()})
+    state.update(
+        rules=tokenizer.rules,
+        max_input_chars_per_word=tokenizer.max_input_chars_per_word,
+        strip_accents=tokenizer.strip_accents,
+        tokenize_chinese_chars=tokenizer.tokenize_chinese_chars,
+    )
     jobs = [(path, state, masking, dupe_factor, seed, i, format) for i, path in enumerate(inputs)]
     workers = workers or min(len(jobs), os.cpu_count() or 1)
 

@@ -65,8 +65,10 @@ def dummy_inputs(specs, batch=2, length=8):
     """Small concrete inputs matching `specs` (ids 0, every token real)."""
     out = {}
     for name, spec in specs.items():
+        # Distinct sizes for distinct dimensions: torch.export would tie equal ones.
+        dynamic = length // 2 if name == "mask_positions" else length
         shape = [
-            batch if axis == 0 else (size if size is not None else length)
+            batch if axis == 0 else (size if size is not None else dynamic)
             for axis, size in enumerate(spec.shape)
         ]
         value = np.ones(shape, "int32") if name == "padding_mask" else np.zeros(shape, "int32")
@@ -170,6 +172,30 @@ def _onnx_torch(model, filepath, specs, opset_version):
             verbose=False,
         )
     program.save(filepath)
+    _check_dynamic_axes(model, filepath, names, specs)
+
+
+def _check_dynamic_axes(model, filepath, names, specs):
+    """Raises if the exporter fixed a dynamic axis to the example's size."""
+    import onnx
+
+    graph = onnx.load(filepath, load_external_data=False).graph
+    fixed = []
+    for tensor in graph.input:
+        dims = tensor.type.tensor_type.shape.dim
+        wanted = dimension_names(tensor.name, specs[tensor.name].shape)
+        fixed += [
+            f"{tensor.name}[{axis}]"
+            for axis, (dim, name) in enumerate(zip(dims, wanted))
+            if isinstance(name, str) and not dim.dim_param
+        ]
+    if fixed:
+        os.remove(filepath)
+        raise ValueError(
+            f"torch.export fixed {', '.join(fixed)} of {model.name} to the example's sizes; "
+            "export this model to ONNX from the tensorflow backend (save it as a .keras "
+            "file and run `KERAS_BACKEND=tensorflow kbert export model.keras out --format onnx`)"
+        )
 
 
 def _erfc_as_one_minus_erf(ctx, node, name, args):

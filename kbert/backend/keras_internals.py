@@ -307,3 +307,36 @@ def torch_batches_on_host():
         yield
     finally:
         trainer.TorchEpochIterator = original
+
+
+@contextlib.contextmanager
+def jax_variables_kept_on_error(model):
+    """Within the block (a `fit`, `evaluate` or `predict` on JAX), an
+    exception leaves the model's variables holding their latest values.
+
+    Works around: Keras' JAX loops move variable values into a local state
+    and empty the variables (`Variable._value = None`, through
+    `_purge_model_variables`); they are written back from `model._jax_state`
+    only when a loop ends. An exception raised before the first step has
+    stored `_jax_state` (bad data from the iterator, a KeyboardInterrupt)
+    leaves every variable empty, the trained weights lost. Here the values
+    are written back from `_jax_state` when a step stored one (through the
+    public `jax_state_sync`), else from references taken before the block
+    (unchanged: no step ran). Checked on Keras 3.12-3.15."""
+    if keras.backend.backend() != "jax":
+        yield
+        return
+    variables = {id(v): v for v in model.variables}
+    if getattr(model, "optimizer", None) is not None:
+        variables.update({id(v): v for v in model.optimizer.variables})
+    variables.update({id(v): v for v in model.metrics_variables})
+    saved = [(v, v._value) for v in variables.values()]
+    try:
+        yield
+    except BaseException:
+        if getattr(model, "_jax_state", None):
+            model.jax_state_sync()
+        for variable, value in saved:
+            if variable._value is None and value is not None:
+                variable._value = value
+        raise

@@ -223,7 +223,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         # kbert's step, which a GPU replays as a CUDA graph where it can.
         context = torch_step.fit_context(self) if backend.is_torch() else contextlib.nullcontext()
         with context, _input_errors(), checks.inputs_checked_on_host():
-            return super().fit(**a)
+            with keras_internals.jax_variables_kept_on_error(self):
+                return super().fit(**a)
 
     def evaluate(self, x=None, y=None, *args, bucket_lengths=True, **kwargs):
         """Keras `evaluate`, with `fit`'s input checks and length buckets
@@ -242,7 +243,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             )
             a.update(y=None, sample_weight=None, batch_size=None)
         with _input_errors(), checks.inputs_checked_on_host():
-            return super().evaluate(**a)
+            with keras_internals.jax_variables_kept_on_error(self):
+                return super().evaluate(**a)
 
     def predict(
         self, x, batch_size=None, verbose="auto", steps=None, callbacks=None, bucket_lengths=True
@@ -264,11 +266,15 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             torch_step.predict_context(self) if backend.is_torch() else contextlib.nullcontext()
         )
         with context, _input_errors(), checks.inputs_checked_on_host():
-            if bucket_lengths and steps is None and callbacks is None and batching.can_bucket(x):
-                return self._predict_bucketed(x, batch_size or 32, bucket_lengths)
-            return super().predict(
-                x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
-            )
+            with keras_internals.jax_variables_kept_on_error(self):
+                return self._predict(x, batch_size, verbose, steps, callbacks, bucket_lengths)
+
+    def _predict(self, x, batch_size, verbose, steps, callbacks, bucket_lengths):
+        if bucket_lengths and steps is None and callbacks is None and batching.can_bucket(x):
+            return self._predict_bucketed(x, batch_size or 32, bucket_lengths)
+        return super().predict(
+            x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks
+        )
 
     def _predict_bucketed(self, x, batch_size, multiple):
         batches = batching.BucketedBatches(x, batch_size=batch_size, sort=True, multiple=multiple)

@@ -199,3 +199,35 @@ def test_kbert_has_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert cycles == [], cycles
+
+
+def test_jax_loop_state_that_the_error_shim_restores():
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX trainer only")
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    assert callable(JAXTrainer.jax_state_sync) and callable(JAXTrainer._purge_model_variables)
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
+    model.compile(optimizer="sgd")
+    x = {
+        "token_ids": np.ones((2, 4), "int32"),
+        "segment_ids": np.zeros((2, 4), "int32"),
+        "padding_mask": np.ones((2, 4), "int32"),
+    }
+    model.fit(x, np.zeros(2), verbose=0)
+    assert hasattr(model, "_jax_state") and model.variables[0]._value is not None
+
+    class Stop(Exception):
+        pass
+
+    def failing():  # Keras peeks at the first batches; steps run on the later ones
+        for _ in range(4):
+            yield (x, np.zeros(2))
+        raise Stop
+
+    before = [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
+    with pytest.raises(Stop):
+        with keras_internals.jax_variables_kept_on_error(model):
+            keras.Model.fit(model, failing(), steps_per_epoch=6, verbose=0)
+    after = [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(after, before))  # the step's progress kept

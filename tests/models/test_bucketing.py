@@ -79,13 +79,24 @@ def run(name, bucket):
     return model, x, history, evaluation, prediction
 
 
+def compared(logs):
+    """The logged values to compare. On TensorFlow, Keras weights each
+    output's own loss tracker (`start_logits_loss`, ...) by the static batch
+    size, which a dataset of variable-length batches leaves unknown: those
+    logs differ while the total loss, the metrics and the weights agree."""
+    multi_output = sum(key.endswith("_loss") for key in logs) > 0
+    if keras.backend.backend() == "tensorflow" and multi_output:
+        return [key for key in logs if not key.endswith("_loss")]
+    return list(logs)
+
+
 @pytest.mark.parametrize("name", ["classifier", "tagger", "qa", "choice"])
 def test_bucketed_equals_fixed_length(name):
     fixed_model, x, fixed_history, fixed_eval, fixed_pred = run(name, False)
     model, _, history, evaluation, prediction = run(name, True)
-    for key in fixed_history:
+    for key in compared(fixed_history):
         np.testing.assert_allclose(history[key], fixed_history[key], atol=1e-5, err_msg=key)
-    for key in fixed_eval:
+    for key in compared(fixed_eval):
         np.testing.assert_allclose(evaluation[key], fixed_eval[key], atol=1e-5, err_msg=key)
     for a, b in zip(model.weights, fixed_model.weights):
         np.testing.assert_allclose(
@@ -149,9 +160,9 @@ def test_few_shapes_per_fit():
     shapes = set()
     original = model.train_step
 
-    def train_step(data):
-        shapes.add(tuple(data[0]["token_ids"].shape))
-        return original(data)
+    def train_step(*args):  # (data) or, on JAX, (state, data)
+        shapes.add(tuple(args[-1][0]["token_ids"].shape))
+        return original(*args)
 
     model.train_step = train_step
     model.fit(x, y, batch_size=4, epochs=2, verbose=0)

@@ -41,13 +41,6 @@ __all__ = [
     "same_on_all_processes",
 ]
 
-# Variables that ask for several processes without naming them all.
-_MULTI_PROCESS_ENV = (
-    "KERAS_DISTRIBUTION_JOB_ADDRESSES",
-    "KERAS_DISTRIBUTION_NUM_PROCESSES",
-    "JAX_COORDINATOR_ADDRESS",
-)
-
 ENGINES = ("none", "jax-data-parallel", "tf-mirrored", "tf-multi-worker", "tf-tpu")
 
 
@@ -134,11 +127,13 @@ def _initialize_processes(coordinator_address, num_processes, process_id):
 
     if num_processes is None and os.environ.get("KBERT_NUM_PROCESSES"):
         num_processes = int(os.environ["KBERT_NUM_PROCESSES"])
+    count = num_processes or int(os.environ.get("KERAS_DISTRIBUTION_NUM_PROCESSES") or 1)
     wanted = (
-        coordinator_address is not None
-        or (num_processes or 1) > 1
+        count > 1
+        or coordinator_address is not None
         or process_id is not None
-        or any(os.environ.get(name) for name in _MULTI_PROCESS_ENV)
+        or os.environ.get("KERAS_DISTRIBUTION_JOB_ADDRESSES")
+        or os.environ.get("JAX_COORDINATOR_ADDRESS")
     )
     if not wanted:
         return

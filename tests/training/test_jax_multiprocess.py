@@ -29,7 +29,7 @@ if keras.backend.backend() != "jax":
     )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TIMEOUT = 240  # seconds for one run of the processes, compilation included
+TIMEOUT = 420  # seconds for one run of the processes (compilation on a busy CI machine)
 
 
 def _env(cache):

@@ -124,7 +124,11 @@ def check_model_inputs(inputs, vocabulary_size, type_vocab_size, max_sequence_le
         found = _first_bad(value, 0, high)
         if found is not None:
             where, bad = found
-            allowed = "0 or 1" if name == "padding_mask" else f"[0, {high})"
+            allowed = {
+                "token_ids": f"the vocabulary [0, {high})",
+                "segment_ids": f"[0, {high})",
+                "padding_mask": "0 or 1",
+            }[name]
             hint = {
                 "token_ids": "; tokenize with this model's vocabulary",
                 "segment_ids": f" (type_vocab_size={high})",

@@ -192,7 +192,15 @@ def read_backbone(directory, load_weights=True):
     path = preset_file(directory, WEIGHTS_FILE)
     if not os.path.lexists(path):
         raise PresetError(f"{directory} has no {WEIGHTS_FILE}")
-    check_backbone_config(config, source, held_sizes(backbone_shapes(_h5_datasets(path, False))))
+    shapes = _h5_datasets(path, False)
+    check_backbone_config(config, source, held_sizes(backbone_shapes(shapes)))
+    # keras-hub keeps heads apart, (H, N, D): a wrong num_heads would load silently
+    query = shapes.get("layers/transformer_encoder/_self_attention_layer/query_dense/vars/0")
+    if query is not None and len(query) == 3 and query[1] != config["num_heads"]:
+        raise PresetError(
+            f"{source}: num_heads={config['num_heads']} but the weights hold {query[1]} heads; "
+            "the config does not describe these weights"
+        )
     return config, backbone_weights(read_h5_weights(path), config, f"keras-hub weights in {path}")
 
 

@@ -103,7 +103,7 @@ def test_huggingface_config_beyond_its_weights(saved, tmp_path, never_built, cha
         kbert.BertBackbone.from_preset(directory)
 
 
-def _keras_hub_dir(directory, num_layers):
+def _keras_hub_dir(directory, num_layers, num_heads=2):
     """A keras-hub preset whose weights file holds only the tables the
     config is checked against (V=12, H=8, 8 positions, 1 block)."""
     h5py = pytest.importorskip("h5py")
@@ -115,7 +115,7 @@ def _keras_hub_dir(directory, num_layers):
                 "config": {
                     "vocabulary_size": 12,
                     "num_layers": num_layers,
-                    "num_heads": 2,
+                    "num_heads": num_heads,
                     "hidden_dim": 8,
                     "intermediate_dim": 16,
                     "max_sequence_length": 8,
@@ -129,6 +129,7 @@ def _keras_hub_dir(directory, num_layers):
             ("position_embedding", (8, 8)),
             ("embedding", (2, 8)),
             ("transformer_encoder/_feedforward_intermediate_dense", (8, 16)),
+            ("transformer_encoder/_self_attention_layer/query_dense", (8, 2, 4)),
         ]:
             f.create_dataset(f"layers/{name}/vars/0", data=np.zeros(shape, "float32"))
     return directory
@@ -137,6 +138,9 @@ def _keras_hub_dir(directory, num_layers):
 def test_keras_hub_config_beyond_its_weights(tmp_path, never_built):
     directory = _keras_hub_dir(tmp_path / "kh", num_layers=48)
     with pytest.raises(PresetError, match="num_layers=48 but the weights hold 1"):
+        kbert.BertBackbone.from_preset(directory)
+    directory = _keras_hub_dir(tmp_path / "kh4", num_layers=1, num_heads=4)
+    with pytest.raises(PresetError, match="num_heads=4 but the weights hold 2 heads"):
         kbert.BertBackbone.from_preset(directory)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from kbert.convert import keras_hub
 from kbert.tokenizers import BertTokenizer
+from kbert.utils.files import load_json, preset_file
 
 PREPROCESSOR_FILE = "preprocessor.json"
 
@@ -141,10 +142,9 @@ class BertPreprocessor(keras.layers.Layer):
             )
             return cls(tokenizer, default_sequence_length) if tokenizer is not None else None
         sequence_length = default_sequence_length
-        path = os.path.join(directory, PREPROCESSOR_FILE)
-        if os.path.isfile(path):
-            with open(path) as f:
-                sequence_length = json.load(f).get("sequence_length", sequence_length)
+        path = preset_file(directory, PREPROCESSOR_FILE)
+        if os.path.exists(path):
+            sequence_length = load_json(path).get("sequence_length", sequence_length)
         return cls(BertTokenizer.load(directory, rules=rules), sequence_length)
 
 

@@ -35,7 +35,7 @@ from kbert.tokenizers.vocabulary import (
     load_vocabulary,
     save_vocabulary,
 )
-from kbert.utils.files import preset_file
+from kbert.utils.files import load_json, preset_file
 
 _CACHE_SIZE = 1 << 20
 VOCAB_FILE = "vocab.txt"
@@ -486,10 +486,7 @@ class BertTokenizer:
 
 def _read_json(directory, name):
     path = preset_file(directory, name)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return load_json(path) if os.path.exists(path) else None
 
 
 def detect_rules(directory):

@@ -98,6 +98,8 @@ def export_model(model, filepath, format="tf_saved_model", verbose=None, **kwarg
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: kbert exports {FORMATS}")
     filepath = os.fspath(filepath)
+    if format == "onnx":
+        os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
     backend = keras.backend.backend()
     specs = input_specs(model)
     embeddings = getattr(model, "backbone", model).get_layer("embeddings")

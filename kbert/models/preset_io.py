@@ -10,7 +10,10 @@ presets (backbone files + the head's `task.json` and `task.safetensors`).
 import logging
 import os
 
+import keras
+
 from kbert.convert import huggingface, keras_hub, tf_checkpoint
+from kbert.export import export_model
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
@@ -46,7 +49,19 @@ BACKBONE_OVERRIDES = (
 
 
 class PresetMixin:
-    """Adds `from_preset` and `save_to_preset`; see `kbert.presets`."""
+    """Adds `from_preset`, `save_to_preset` and an `export` that works on
+    every backend; see `kbert.presets` and `kbert.export`."""
+
+    def export(
+        self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs
+    ):
+        """Keras' `export`: `format="tf_saved_model"` or `"onnx"` go through
+        `kbert.export.export_model` (dynamic batch and length, from every
+        backend that can write the format); anything else, or an explicit
+        `input_signature`, goes to Keras."""
+        if input_signature is None and format in ("tf_saved_model", "onnx"):
+            return export_model(self, filepath, format=format, verbose=verbose, **kwargs)
+        return keras.Model.export(self, filepath, format, verbose, input_signature, **kwargs)
 
     @classmethod
     def from_preset(cls, preset, load_weights=True, **kwargs):

@@ -22,6 +22,7 @@ import os
 import keras
 import numpy as np
 
+from kbert import backend as kbert_backend
 from kbert.export.process import in_tensorflow
 
 FORMATS = ("tf_saved_model", "onnx")
@@ -100,7 +101,7 @@ def export_model(model, filepath, format="tf_saved_model", verbose=None, **kwarg
     filepath = os.fspath(filepath)
     if format == "onnx":
         os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
-    backend = keras.backend.backend()
+    backend = kbert_backend.name()
     specs = input_specs(model)
     embeddings = getattr(model, "backbone", model).get_layer("embeddings")
     dtype = keras.backend.standardize_dtype(embeddings.compute_dtype)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 
-import keras
+from kbert import backend as kbert_backend
 
 _CHILD = """
 import json, sys
@@ -40,7 +40,7 @@ def in_tensorflow(model, filepath, what, **options):
         import tensorflow  # noqa: F401
     except ImportError as error:
         raise ImportError(
-            f"exporting a SavedModel or from the {keras.backend.backend()} backend needs "
+            f"exporting a SavedModel or from the {kbert_backend.name()} backend needs "
             "TensorFlow: pip install 'kbert[export]'"
         ) from error
     # The directory holding the kbert package, for the child's imports.

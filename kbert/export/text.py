@@ -18,8 +18,7 @@ Signatures by task (B batch, T tokens, C classes, H hidden):
   context; the answer is `context[token_starts[s]:token_ends[e]]`
 """
 
-import keras
-
+from kbert import backend as kbert_backend
 from kbert.export.process import in_tensorflow
 
 TASKS = ("BertClassifier", "BertTextEmbedder", "BertTokenClassifier", "BertQuestionAnswerer")
@@ -60,7 +59,7 @@ def export_text_model(model, filepath, verbose=False):
             f"{model.name} has no preprocessor to put in the graph; attach one: "
             "model.preprocessor = kbert.BertPreprocessor(tokenizer, sequence_length)"
         )
-    if keras.backend.backend() != "tensorflow":
+    if kbert_backend.name() != "tensorflow":
         return in_tensorflow(model, filepath, "text", verbose=verbose)
     import tensorflow as tf
 

@@ -116,6 +116,7 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
             f"{directory!r} is not a preset: it has neither a kbert {io.METADATA_FILE} nor "
             "a Hugging Face config.json with model_type 'bert'"
         )
+    new_adapters = io.new_adapters(config, overrides)  # the saved config, before overrides
     config = {**config, **overrides}
     if overrides:
         check_backbone_config(
@@ -131,7 +132,7 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
             backbone,
             weights,
             source=source,
-            allow_missing=allow_missing + io.new_adapters(config, overrides),
+            allow_missing=allow_missing + new_adapters,
         )
     return backbone
 

@@ -292,11 +292,14 @@ def test_raw_text_predict_runs_in_length_buckets_with_the_same_results():
         (choices, (texts[:6], [["good", "bad"]] * 6)),
     ):
         full = keras.Model.predict(model, model.preprocess_samples(inputs), batch_size=4, verbose=0)
-        original = model.predict_on_batch
-        model.predict_on_batch = lambda x, original=original: (
-            lengths.append(x["token_ids"].shape[-1]) or original(x)
-        )
+        original = model.predict_step
+
+        def predict_step(*args, original=original):  # (data) or, on JAX, (state, data)
+            lengths.append(keras.tree.flatten(args[-1])[0].shape[-1])
+            return original(*args)
+
+        model.predict_step = predict_step
         bucketed = model.predict(inputs, batch_size=4)
         np.testing.assert_allclose(bucketed, full, atol=1e-5)
-    # batches of 4: lengths 6 -> 16, the 22-token text -> 32, short texts -> 16
-    assert lengths[:3] == [16, 32, 16] and set(lengths) <= {16, 32}
+    # length order: the batch with the 22-token text -> 32, the others -> 16
+    assert set(lengths) == {16, 32}

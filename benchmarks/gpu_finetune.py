@@ -46,6 +46,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -363,7 +364,7 @@ def main():
         "--systems",
         nargs="+",
         default=[s for s in SYSTEMS if "tensorflow" not in s],
-        choices=SYSTEMS,
+        help=f"any of {', '.join(SYSTEMS)}, or kbert-<backend>-b<N> (multiples of N)",
     )
     parser.add_argument("--data-dir", default=DATA)
     parser.add_argument("--max-train", type=int, default=None, help="first N training examples")
@@ -376,6 +377,9 @@ def main():
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for system in args.systems:
+        if system not in SYSTEMS and not re.fullmatch(r"kbert-(jax|torch|tensorflow)-b\d+", system):
+            parser.error(f"unknown system {system!r}")
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return

@@ -97,7 +97,28 @@ def _cut(x, rows, length, full, token_targets, y=None, sample_weight=None):
     return batch
 
 
-class BucketedBatches(keras.utils.PyDataset):
+class BatchList(keras.utils.PyDataset):
+    """A PyDataset over ready-made batches."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    @property
+    def num_batches(self):
+        return len(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        return self.batches[index]
+
+    def as_dataset(self):
+        return as_dataset(self)
+
+
+class BucketedBatches(BatchList):
     """Batches of (x, y, sample_weight) host arrays cut to their bucket
     length, for Keras' `fit` / `evaluate` / `predict` on every backend.
 
@@ -125,7 +146,7 @@ class BucketedBatches(keras.utils.PyDataset):
         token_targets=False,
         multiple=MULTIPLE,
     ):
-        super().__init__()
+        super().__init__([])
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.batch_size = int(batch_size)
         self.shuffle, self.group_by_length, self.sort = shuffle, group_by_length, sort
@@ -158,13 +179,6 @@ class BucketedBatches(keras.utils.PyDataset):
         self.batch_lengths = [
             bucket_length(self.lengths[rows].max(), self.full, self.multiple) for rows in batches
         ]
-
-    @property
-    def num_batches(self):
-        return len(self.batches)
-
-    def __len__(self):
-        return len(self.batches)
 
     def __getitem__(self, index):
         rows = self.batches[index]
@@ -344,27 +358,6 @@ def map_dataset(data, limits, token_targets=False, bucket=True, multiple=MULTIPL
         return (x,) + tuple(rest) if rest else x
 
     return data.map(step, num_parallel_calls=tf.data.AUTOTUNE)
-
-
-class BatchList(keras.utils.PyDataset):
-    """A PyDataset over ready-made batches."""
-
-    def __init__(self, batches):
-        super().__init__()
-        self.batches = batches
-
-    @property
-    def num_batches(self):
-        return len(self.batches)
-
-    def __len__(self):
-        return len(self.batches)
-
-    def __getitem__(self, index):
-        return self.batches[index]
-
-    def as_dataset(self):
-        return as_dataset(self)
 
 
 def as_dataset(batches, on_epoch_end=None):

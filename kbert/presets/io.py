@@ -11,7 +11,6 @@ Loading reads JSON and safetensors only: nothing in a preset is executed.
 Every file named by a preset must be a plain file inside its directory.
 """
 
-import hashlib
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from kbert.presets.architectures import check_backbone_config
 from kbert.presets.registry import PRESETS, download_preset, is_hub_handle
 from kbert.presets.weights import held_sizes, weights_dict
 from kbert.tokenizers.vocabulary import load_vocabulary
-from kbert.utils.files import MAX_VOCABULARY_BYTES, PresetError, load_json, preset_file
+from kbert.utils.files import MAX_VOCABULARY_BYTES, PresetError, load_json, preset_file, sha256
 from kbert.version import __version__
 
 logger = logging.getLogger("kbert")
@@ -73,14 +72,6 @@ def resolve_preset(preset, allow_pickle=False):
     if os.sep in preset or preset.startswith("."):
         raise PresetError(f"preset directory {preset!r} does not exist")
     return download_preset(preset)  # raises the unknown-name error
-
-
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_json(directory, name):
@@ -179,7 +170,7 @@ def verify_metadata(directory):
         path = preset_file(directory, name)
         if not os.path.exists(path):
             raise PresetError(f"preset file {name!r} listed in metadata.json is missing")
-        if _sha256(path) != expected:
+        if sha256(path) != expected:
             raise PresetError(
                 f"preset file {name!r} does not match its checksum in metadata.json "
                 "(corrupt, truncated or modified); re-download or re-save the preset"
@@ -196,7 +187,7 @@ def write_metadata(directory, model, files):
             "keras_version": keras.__version__,
             "saved_with_backend": backend.name(),
             "class_name": type(model).__name__,
-            "files": {name: _sha256(os.path.join(directory, name)) for name in sorted(files)},
+            "files": {name: sha256(os.path.join(directory, name)) for name in sorted(files)},
         },
     )
 

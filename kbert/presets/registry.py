@@ -20,14 +20,13 @@ with it Keras and a backend. `huggingface_hub` is imported only when a handle
 or registered name is resolved or a preset is published.
 """
 
-import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
 
-from kbert.utils.files import PresetError
+from kbert.utils.files import PresetError, sha256
 from kbert.utils.naming import closest
 
 SCHEME = "hf://"
@@ -240,20 +239,12 @@ def _mirror(snapshot, repo_id):
     return target
 
 
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _verify(preset, directory, checksums):
     for name, expected in checksums.items():
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             raise PresetError(f"preset {preset!r} has no file {name!r}, which the registry pins")
-        if _sha256(path) != expected:
+        if sha256(path) != expected:
             raise PresetError(
                 f"preset {preset!r}: {name} does not match its sha256 in the registry "
                 "(changed upstream, or a corrupt download); delete it from the Hugging Face "

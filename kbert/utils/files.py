@@ -1,6 +1,7 @@
 """Safe file access inside a model directory: every file a loader reads is a
 regular file inside the directory, and JSON is parsed within fixed bounds."""
 
+import hashlib
 import json
 import math
 import os
@@ -107,3 +108,12 @@ def load_json(path, max_bytes=MAX_JSON_BYTES):
             f"{path} holds a JSON {type(value).__name__}; a JSON object ({{...}}) is expected"
         )
     return value
+
+
+def sha256(path):
+    """The SHA-256 hex digest of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -380,4 +380,9 @@ def as_dataset(batches, on_epoch_end=None):
         if on_epoch_end is not None:
             on_epoch_end()
 
-    return tf.data.Dataset.from_generator(generate, output_signature=signature).prefetch(2)
+    dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+    # A known cardinality: with an unknown one, Keras' TensorFlow trainer
+    # counts one optimizer iteration more per epoch than it applies (the
+    # learning-rate schedule and checkpoints follow that counter).
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(batches)))
+    return dataset.prefetch(2)

@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import torch
 
-from kbert.backend import keras_internals
+from kbert.backend import keras_internals, torch_ddp
 
 
 def _host_tensor(value):
@@ -125,14 +125,27 @@ def train_step(model, data):
 def _train_step(model, data):
     data = to_device(data)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    y_pred = model(x, training=True) if keras_internals.call_has_training_arg(model) else model(x)
-    model.zero_grad()
-    loss = keras_internals.compute_loss(model, x, y, y_pred, sample_weight, training=True)
-    first = next(i for i in keras.tree.flatten(x) if i is not None)
+    distributed = torch_ddp.active()
+    # Under torch-ddp the forward runs through DistributedDataParallel, whose
+    # hooks all-reduce the gradients during the backward pass.
+    forward = torch_ddp.wrapped(model) if distributed else model
+    normalisation = torch_ddp.loss_normalisation() if distributed else contextlib.nullcontext()
+    with normalisation as share:
+        if keras_internals.call_has_training_arg(model):
+            y_pred = forward(x, training=True)
+        else:
+            y_pred = forward(x)
+        model.zero_grad()
+        loss = keras_internals.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        first = next(i for i in keras.tree.flatten(x) if i is not None)
+        reported = loss
+        if distributed:
+            loss, reported = share(loss, first.shape[0])
     # The loss tracker weights by batch size: a tensor made on the device,
     # where Keras passes a Python int (a synchronising copy).
     keras_internals.loss_tracker(model).update_state(
-        loss, sample_weight=torch.full((), first.shape[0], dtype=torch.float32, device=loss.device)
+        reported,
+        sample_weight=torch.full((), first.shape[0], dtype=torch.float32, device=loss.device),
     )
     if model.optimizer is not None:
         loss = model.optimizer.scale_loss(loss)
@@ -144,7 +157,8 @@ def _train_step(model, data):
             model.optimizer.apply(gradients, trainable_weights)
     else:
         warnings.warn("The model does not have any trainable weights.")
-    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return torch_ddp.global_logs(model) if distributed else logs
 
 
 class InPlaceCounter:
@@ -406,7 +420,9 @@ def fit_context(model):
         yield
         return
     graph = getattr(model, "cuda_graph", "auto")
-    if graph and cuda_graph_supported(model, force=graph is True):
+    # Under torch-ddp the step runs eagerly: replaying DDP's all-reduce in a
+    # graph is not supported here.
+    if graph and not torch_ddp.active() and cuda_graph_supported(model, force=graph is True):
         model.graphed_step = GraphedTrainStep(model)
     try:
         with host_batches():

@@ -13,9 +13,11 @@ from kbert import backend
 from kbert.backend import keras_internals
 from kbert.backend import tensorflow as tf_backend
 from kbert.layers.adapters import train_only_adapters
+from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import batching, preset_io, raw_text
 from kbert.models.backbone import BertBackbone
 from kbert.models.preprocessor import BertPreprocessor
+from kbert.training import distribution
 from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
 from kbert.utils import checks
 
@@ -89,6 +91,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             else None,
         }
         config.update(self.task_config())
+        config.update(quantized_layers_config(self, exclude=[self.backbone]))
         return config
 
     @classmethod
@@ -97,7 +100,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
         if config.get("preprocessor") is not None:
             config["preprocessor"] = keras.saving.deserialize_keras_object(config["preprocessor"])
-        return cls(**config)
+        quantized = config.pop("quantized_layers", None)
+        return apply_quantization(cls(**config), quantized, "the task config")
 
     def head_weight_paths(self):
         backbone_paths = {v.path for v in self.backbone.weights}
@@ -219,6 +223,13 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             validation = raw_text.convert(self, validation, None)[0]
             validation = self._prepare_inputs(validation, bucket_lengths)
         a["validation_data"] = validation
+        if distribution.torch_ddp_active():
+            if self.jit_compile:
+                raise ValueError(
+                    "torch-ddp runs kbert's torch training step, not torch.compile: "
+                    "compile the model with jit_compile=False"
+                )
+            a["x"] = distribution.shard_for_process(a["x"])
         # On torch: batches made on the host, copied without blocking by
         # kbert's step, which a GPU replays as a CUDA graph where it can.
         context = torch_step.fit_context(self) if backend.is_torch() else contextlib.nullcontext()

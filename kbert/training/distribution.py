@@ -16,9 +16,12 @@
 - `tf-multi-worker` (tensorflow): `tf.distribute.MultiWorkerMirroredStrategy`
   from `TF_CONFIG`.
 - `tf-tpu` (tensorflow): `tf.distribute.TPUStrategy`.
-
-PyTorch: single device only. Keras 3 has no data-parallel engine for the
-torch backend; use JAX or TensorFlow for several devices.
+- `torch-ddp` (torch): one process per device, launched with `torchrun`
+  (one or several hosts); gradients all-reduced by torch's
+  DistributedDataParallel (see `kbert.backend.torch_ddp`). Every process
+  feeds the same global batches to `fit`; each takes its rows of every
+  batch (`shard_for_process`, which `fit` of kbert's models applies).
+  Process 0 writes checkpoints and logs.
 """
 
 import contextlib
@@ -28,7 +31,7 @@ import keras
 import numpy as np
 
 from kbert import backend as kbert_backend
-from kbert.backend.tensorflow import replica_sum
+from kbert.backend.replicas import replica_sum
 
 __all__ = [
     "ENGINES",
@@ -39,9 +42,11 @@ __all__ = [
     "process_index",
     "replica_sum",
     "same_on_all_processes",
+    "shard_for_process",
+    "torch_ddp_active",
 ]
 
-ENGINES = ("none", "jax-data-parallel", "tf-mirrored", "tf-multi-worker", "tf-tpu")
+ENGINES = ("none", "jax-data-parallel", "tf-mirrored", "tf-multi-worker", "tf-tpu", "torch-ddp")
 
 
 def distribution_scope(
@@ -83,12 +88,10 @@ def distribution_scope(
         "tf-mirrored": "tensorflow",
         "tf-multi-worker": "tensorflow",
         "tf-tpu": "tensorflow",
+        "torch-ddp": "torch",
     }
     if engine in needs and needs[engine] != backend:
-        extra = " (the torch backend trains on one device only)" if backend == "torch" else ""
-        raise ValueError(
-            f"engine {engine!r} needs KERAS_BACKEND={needs[engine]}, not {backend}{extra}"
-        )
+        raise ValueError(f"engine {engine!r} needs KERAS_BACKEND={needs[engine]}, not {backend}")
     given = {
         "coordinator_address": coordinator_address,
         "num_processes": num_processes,
@@ -102,6 +105,11 @@ def distribution_scope(
         )
     if engine == "none":
         return contextlib.nullcontext(), 1
+    if engine == "torch-ddp":
+        from kbert.backend import torch_ddp
+
+        _, count = torch_ddp.initialize()
+        return contextlib.nullcontext(), count
     if engine == "jax-data-parallel":
         _initialize_processes(coordinator_address, num_processes, process_id)
         found = devices or keras.distribution.list_devices()
@@ -153,8 +161,25 @@ def _initialize_processes(coordinator_address, num_processes, process_id):
         )
 
 
+def _ddp():
+    """`kbert.backend.torch_ddp` while this process trains with `torch-ddp`,
+    else None (torch is imported on the torch backend only)."""
+    if not kbert_backend.is_torch():
+        return None
+    from kbert.backend import torch_ddp
+
+    return torch_ddp if torch_ddp.active() else None
+
+
+def torch_ddp_active():
+    """Whether this process trains with `torch-ddp`."""
+    return _ddp() is not None
+
+
 def process_index():
     """This process's index among those training together (0 with one process)."""
+    if _ddp():
+        return _ddp().rank()
     if kbert_backend.name() == "jax":
         import jax
 
@@ -164,6 +189,8 @@ def process_index():
 
 def process_count():
     """How many processes train together (1 on one host)."""
+    if _ddp():
+        return _ddp().world_size()
     if kbert_backend.name() == "jax":
         import jax
 
@@ -194,6 +221,9 @@ def barrier(name):
     process): e.g. the others wait while process 0 writes shared files."""
     if process_count() == 1:
         return
+    if _ddp():
+        _ddp().barrier()
+        return
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices(name)
@@ -208,6 +238,65 @@ def any_process(flag):
 
 def _gather(value):
     """The int `value` of every process, process 0 first (a collective)."""
+    if _ddp():
+        return _ddp().gather_ints(value)
     from jax.experimental import multihost_utils
 
     return [int(v) for v in multihost_utils.process_allgather(np.int64(value))]
+
+
+def shard_for_process(data):
+    """Under `torch-ddp`: this process's rows of every batch of `data` (a
+    batched `tf.data` dataset or a `keras.utils.PyDataset` of batches), the
+    same split of each global batch that `kbert.backend.torch_ddp.rows`
+    makes. Elsewhere `data` itself. Arrays are refused: they have no
+    batches yet (let `fit` cut them into length buckets, its default, or
+    pass a dataset)."""
+    torch_ddp = _ddp()
+    if torch_ddp is None:
+        return data
+    count, index = torch_ddp.world_size(), torch_ddp.rank()
+    if isinstance(data, keras.utils.PyDataset):
+        return _RowsOfBatches(data, torch_ddp.rows)
+    if type(data).__module__.startswith("tensorflow") and hasattr(data, "element_spec"):
+        import tensorflow as tf
+
+        def mine(*batch):
+            first = tf.nest.flatten(batch)[0]
+            size = tf.shape(first)[0]
+            base, extra = size // count, size % count
+            start = index * base + tf.minimum(index, extra)
+            stop = start + base + tf.cast(index < extra, size.dtype)
+            cut = tf.nest.map_structure(lambda t: t[start:stop], batch)
+            return cut if len(cut) > 1 else cut[0]
+
+        return data.map(mine)
+    raise ValueError(
+        "under torch-ddp, fit takes a batched tf.data dataset, a keras.utils.PyDataset, or "
+        "arrays cut into batches by fit (bucket_lengths=True, the default); got "
+        f"{type(data).__name__}"
+    )
+
+
+class _RowsOfBatches(keras.utils.PyDataset):
+    """A PyDataset of global batches -> this process's rows of each."""
+
+    def __init__(self, batches, rows):
+        super().__init__()
+        self.batches, self.rows = batches, rows
+
+    def __len__(self):
+        return len(self.batches)
+
+    @property
+    def num_batches(self):
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        batch = self.batches[index]
+        first = keras.tree.flatten(batch)[0]
+        part = self.rows(first.shape[0])
+        return keras.tree.map_structure(lambda v: None if v is None else v[part], batch)
+
+    def on_epoch_end(self):
+        self.batches.on_epoch_end()

@@ -1,14 +1,17 @@
 """One process of a tiny resumable pre-training run on CPU, alone or as one of
-several JAX processes (used by test_jax_multiprocess.py).
+several JAX or torch processes (used by test_jax_multiprocess.py and
+test_torch_ddp.py).
 
     python -m tests.training.multiprocess_worker CHECKPOINT_DIR OUT.npz \
         [--coordinator-address HOST:PORT --num-processes N --process-id I] \
-        [--kill-at N] [--term-at N] [--seed S]
+        [--engine torch-ddp] [--clipnorm C] [--kill-at N] [--term-at N] [--seed S]
 
-Without --num-processes: one process, one device, no distribution. With it:
-`jax-data-parallel` over N processes (one CPU device each: the caller sets
-JAX_PLATFORMS=cpu). Every process feeds the same global batches; Keras gives
-each process its share. --kill-at N: SIGKILL itself after step N. --term-at
+Without --num-processes or --engine: one process, one device, no
+distribution. With --num-processes: `jax-data-parallel` over N processes
+(one CPU device each: the caller sets JAX_PLATFORMS=cpu). With --engine
+torch-ddp: one of the processes a launcher (torchrun, or the test setting
+its variables) started, gloo on CPU. Every process feeds the same global
+batches; each trains on its share. --kill-at N: SIGKILL itself after step N. --term-at
 N: SIGTERM itself after step N (all processes then stop at the next
 checkpoint and exit 143). A finished
 run writes the final weights, the losses and the process count to OUT.npz
@@ -49,9 +52,14 @@ def main():
     p.add_argument("--kill-at", type=int)
     p.add_argument("--term-at", type=int)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", default=None)
+    p.add_argument("--clipnorm", type=float, default=1.0)
+    # torch-ddp: each process draws its own dropout masks for its rows, so
+    # only a run without dropout can equal one process on the global batch
+    p.add_argument("--no-dropout", action="store_true")
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)  # a restarted process gets other initial weights
-    engine = "none" if args.num_processes is None else "jax-data-parallel"
+    engine = args.engine or ("none" if args.num_processes is None else "jax-data-parallel")
     scope, replicas = distribution_scope(
         engine,
         coordinator_address=args.coordinator_address,
@@ -74,8 +82,10 @@ def main():
         return data.repeat().skip(skip)
 
     with scope:
-        model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY))
-        model.compile(optimizer=create_optimizer(1e-3, TOTAL, 2))
+        dropout = dict(dropout=0.0, attention_dropout=0.0) if args.no_dropout else {}
+        model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY, **dropout))
+        clipnorm = args.clipnorm or None  # 0: no clipping
+        model.compile(optimizer=create_optimizer(1e-3, TOTAL, 2, clipnorm=clipnorm))
     log("built and compiled")
 
     losses = []
@@ -119,7 +129,11 @@ def main():
 
 
 def leave(args, code):
-    if args.num_processes:
+    if args.engine == "torch-ddp":
+        import torch.distributed as dist
+
+        dist.barrier()  # no process leaves while another still works
+    elif args.num_processes:
         import jax
 
         jax.distributed.shutdown()  # a barrier: no process leaves while another still works

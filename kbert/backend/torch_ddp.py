@@ -1,0 +1,193 @@
+"""Data parallelism on the torch backend: torch.distributed, one process per
+device, gradients all-reduced by `DistributedDataParallel` (bucketed and
+overlapped with the backward pass).
+
+Launched with `torchrun --nproc_per_node N` (or any launcher that sets
+`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`):
+`initialize()` joins the process group (NCCL on GPUs, gloo on CPUs) and
+puts this process on GPU `LOCAL_RANK`.
+
+What makes N processes train as one device on the same global batch:
+- every process builds the same model from the same seed, and DDP
+  broadcasts process 0's weights when it wraps the model;
+- each process takes its rows of every global batch (`rows`);
+- the loss a process differentiates is its share of the global loss, so
+  that the shares sum to the single-device loss: either the model
+  normalises by global totals itself (`replica_sum`, as `BertPreTrainer`
+  does for the masked-LM weights) or the step scales Keras' per-process
+  mean by the process's fraction of the global batch;
+- DDP's communication hook sums the gradients (DDP's own hook averages
+  them), so every process holds the single-device gradient; global-norm
+  clipping of it is then exact, and every process applies the same update;
+- metrics are reduced across processes when read (`global_logs`): the
+  metric variables (totals and counts) are summed, the results computed,
+  and each process's own totals put back.
+"""
+
+import contextlib
+import datetime
+import os
+
+import keras
+import torch
+import torch.distributed as dist
+
+_STATE = {"on": False, "normalised": False}
+
+
+def initialize(timeout_s=None):
+    """Joins the process group the launcher describes (once); returns
+    (rank, world size). NCCL where CUDA is available, else gloo."""
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed")
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing and not dist.is_initialized():
+        raise ValueError(
+            f"torch-ddp needs the variables a launcher sets ({', '.join(missing)} missing): "
+            "run the script with `torchrun --nproc_per_node N script.py ...`"
+        )
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        seconds = timeout_s or int(os.environ.get("KBERT_DDP_TIMEOUT", "1800"))
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=seconds)
+        )
+    _STATE["on"] = True
+    return dist.get_rank(), dist.get_world_size()
+
+
+def active():
+    """Whether kbert trains with torch-ddp in this process."""
+    return _STATE["on"] and dist.is_initialized()
+
+
+def rank():
+    return dist.get_rank() if active() else 0
+
+
+def world_size():
+    return dist.get_world_size() if active() else 1
+
+
+def rows(batch_size):
+    """This process's rows of a global batch of `batch_size`: contiguous
+    and as equal as they can be (sizes differ by at most one)."""
+    count, index = world_size(), rank()
+    base, extra = divmod(int(batch_size), count)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (1 if index < extra else 0))
+
+
+def _reduce_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def all_reduce_sum(value):
+    """The sum of tensor `value` over the processes (no gradient flows)."""
+    tensor = torch.as_tensor(value).detach().clone()
+    device = _reduce_device()
+    if device is not None and tensor.device != device:
+        tensor = tensor.to(device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def replica_sum(value):
+    """(sum of `value` over the processes, number of processes); records
+    that the step's loss is normalised by global totals (see module doc)."""
+    _STATE["normalised"] = True
+    return all_reduce_sum(value).to(torch.as_tensor(value).device), world_size()
+
+
+def gather_ints(value):
+    """The int `value` of every process, process 0 first (a collective)."""
+    tensor = all_reduce_sum(
+        torch.nn.functional.one_hot(torch.tensor(rank()), world_size()) * int(value)
+    )
+    return [int(v) for v in tensor.cpu().tolist()]
+
+
+def barrier():
+    if active():
+        dist.barrier()
+
+
+def _sum_hook(state, bucket):
+    """DDP communication hook: gradients summed over processes (DDP's
+    default divides the sum by the process count)."""
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrapped(model):
+    """`model` wrapped in DistributedDataParallel (made once per model;
+    broadcasts process 0's weights when made)."""
+    ddp = model.__dict__.get("_kbert_ddp")
+    if ddp is None:
+        device = _reduce_device()
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device is not None else None,
+            broadcast_buffers=False,  # Keras keeps no running statistics in BERT
+            gradient_as_bucket_view=True,
+            # The set of used weights is the same every step (a token
+            # classifier never uses the pooler): no per-step search for
+            # unused ones.
+            static_graph=True,
+        )
+        ddp.register_comm_hook(None, _sum_hook)
+        # not a Keras-tracked attribute (a module holding the model itself)
+        model.__dict__["_kbert_ddp"] = ddp
+    return ddp
+
+
+@contextlib.contextmanager
+def loss_normalisation():
+    """Around a step's forward and loss: yields `share(loss, local_rows)`,
+    which returns (the loss this process differentiates, the loss it
+    reports)."""
+    _STATE["normalised"] = False
+
+    def share(loss, local_rows):
+        if _STATE["normalised"]:
+            # the model's shares already sum to the global loss
+            return loss, loss * world_size()
+        # Keras' mean over this process's rows, weighted by its fraction of
+        # the global batch (a fill kernel, not a host-to-device copy)
+        local = torch.full((), float(local_rows), dtype=torch.float32, device=loss.device)
+        return loss * (local / all_reduce_sum(local).to(loss.device)), loss
+
+    yield share
+
+
+def global_logs(model):
+    """The model's metric results over all processes: each metric's
+    variables summed across processes, results computed, local values put
+    back (a collective: every process calls it at the same step)."""
+    variables = [v for metric in model.metrics for v in metric.variables]
+    values = [v.value for v in variables]
+    if not values:
+        return model.get_metrics_result()
+    saved = [value.detach().clone() for value in values]
+    flat = torch.cat([value.detach().reshape(-1).to(torch.float64) for value in values])
+    flat = all_reduce_sum(flat).to(values[0].device)
+    with torch.no_grad():
+        offset = 0
+        for value in values:
+            n = value.numel()
+            value.copy_(flat[offset : offset + n].reshape(value.shape).to(value.dtype))
+            offset += n
+    try:
+        logs = model.get_metrics_result()
+        logs = keras.tree.map_structure(
+            lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, logs
+        )
+    finally:
+        with torch.no_grad():
+            for value, old in zip(values, saved):
+                value.copy_(old)
+    return logs

@@ -21,6 +21,11 @@ jax-data-parallel --coordinator-address HOST0:PORT --num-processes N
 --process-id I` (I = 0 on HOST0) and an `--output-dir` they all share.
 Process 0 writes the vocabulary, the examples, checkpoints and results;
 every process reads the same global batches and trains on its share.
+
+Several GPUs or hosts (torch): launch with torchrun, e.g. `KERAS_BACKEND=torch
+torchrun --nproc_per_node 8 examples/pretrain.py --distribution torch-ddp ...`
+(add `--nnodes N --node_rank I --rdzv-endpoint HOST0:PORT` for several
+hosts, with a shared `--output-dir`).
 Every size, path, step count, batch, precision and distribution choice is a flag.
 """
 

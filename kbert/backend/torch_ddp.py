@@ -22,6 +22,9 @@ What makes N processes train as one device on the same global batch:
 - metrics are reduced across processes when read (`global_logs`): the
   metric variables (totals and counts) are summed, the results computed,
   and each process's own totals put back.
+Dropout masks differ between processes (torch's generator is offset by the
+rank when the model is wrapped), so a run with dropout is not the
+single-device run mask for mask, only in distribution.
 """
 
 import contextlib
@@ -132,7 +135,6 @@ def wrapped(model):
         ddp = torch.nn.parallel.DistributedDataParallel(
             model,
             device_ids=[device.index] if device is not None else None,
-            broadcast_buffers=False,  # Keras keeps no running statistics in BERT
             gradient_as_bucket_view=True,
             # The set of used weights is the same every step (a token
             # classifier never uses the pooler): no per-step search for
@@ -140,6 +142,9 @@ def wrapped(model):
             static_graph=True,
         )
         ddp.register_comm_hook(None, _sum_hook)
+        # Dropout draws from torch's generator, seeded alike in every
+        # process: offset it so that each process's rows get their own masks.
+        torch.manual_seed(torch.initial_seed() + rank())
         # not a Keras-tracked attribute (a module holding the model itself)
         model.__dict__["_kbert_ddp"] = ddp
     return ddp

@@ -27,6 +27,18 @@ def flatten_layers(layer):
     return layer._flatten_layers(include_self=False, recursive=True)
 
 
+def retrack_variables(model):
+    """On torch, rebuilds each layer's `torch_params` from its current
+    variables, as `Model.quantize` does after converting layers
+    (`Model._post_quantize` / `TorchLayer._track_variables`, 3.12-3.15):
+    kbert quantizes single layers of a model it rebuilds, and without this
+    the parents keep the replaced float kernels alive."""
+    if keras.backend.backend() != "torch":
+        return
+    for layer in [model, *flatten_layers(model)]:
+        layer._track_variables()
+
+
 def call_has_training_arg(model):
     """Whether `model.call` takes `training` (`Layer._call_has_training_arg`,
     3.10-3.15; Keras' own torch `train_step` reads it)."""

@@ -80,7 +80,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     def call(self, inputs, padding_mask, training=None):
         batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
-        qkv = sublayer_call(self.qkv, inputs)
+        qkv = sublayer_call(self.qkv, inputs, training=training)
         qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, D)
 
@@ -98,7 +98,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
             context = self._explicit_attention(query, key, value, keep, scale, training)
         context = ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
-        return sublayer_call(self.output_dense, context)
+        return sublayer_call(self.output_dense, context, training=training)
 
     def _explicit_attention(self, query, key, value, keep, scale, training):
         scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)

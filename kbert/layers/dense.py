@@ -1,5 +1,7 @@
 """`Dense`: keras.layers.Dense whose matrix product and bias add run as one
-fused operation where the backend has one (see `kbert.backend.ops`)."""
+fused operation where the backend has one (see `kbert.backend.ops`), and
+which Keras' `quantize` ("int8", "int4", "float8") converts like its own
+Dense."""
 
 import keras
 from keras import ops
@@ -13,8 +15,9 @@ class Dense(keras.layers.Dense):
 
     Same arguments, variables (`kernel`, `bias`) and results as
     `keras.layers.Dense`; only the float, unquantized path changes (LoRA is
-    included: `self.kernel` already adds it). Quantized layers keep Keras'
-    own call.
+    included: `self.kernel` already adds it). `quantize(mode)` and the
+    quantized call are Keras' own (per-output-channel abs-max int8 kernel,
+    per-token int8 inputs; float8 with delayed scaling).
 
     Example:
     >>> layer = Dense(4)
@@ -29,7 +32,9 @@ class Dense(keras.layers.Dense):
 
     def call(self, inputs, training=None):
         if self.quantization_mode is not None:
-            return super().call(inputs, training=training)
+            # Layer.__call__ sends quantized layers to `quantized_call`; this
+            # is for callers of `call` itself (kbert's torch sublayer_call).
+            return self.quantized_call(inputs, training=training)
         kernel = ops.cast(self.kernel, self.compute_dtype)
         bias = None if self.bias is None else ops.cast(self.bias, self.compute_dtype)
         x = fused_dense(
@@ -38,3 +43,11 @@ class Dense(keras.layers.Dense):
         if self.activation is not None:
             x = self.activation(x)
         return x
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Keras' `Dense.quantize`. Keras refuses subclasses unless they
+        declare that its hooks fit them: this class changes only the float
+        call, so they do (subclasses of this class must declare it again)."""
+        if type_check and type(self) is not Dense:
+            raise self._not_implemented_error(self.quantize)
+        super().quantize(mode, type_check=False, config=config)

@@ -125,7 +125,10 @@ class TransformerEncoderBlock(keras.layers.Layer):
         if self.attention_adapter is not None:
             attended = self.attention_adapter(attended)
         x = run(self.attention_layer_norm, inputs + attended)
-        y = run(self.output_dense, run(self.intermediate_dense, x))
+        # `training` reaches the Dense layers for float8 quantization, whose
+        # delayed scaling updates its scales only in training calls.
+        y = run(self.intermediate_dense, x, training=training)
+        y = run(self.output_dense, y, training=training)
         y = run(self.output_dropout, y, training=training)
         if self.output_adapter is not None:
             y = self.output_adapter(y)

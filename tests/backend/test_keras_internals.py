@@ -231,3 +231,17 @@ def test_jax_loop_state_that_the_error_shim_restores():
             keras.Model.fit(model, failing(), steps_per_epoch=6, verbose=0)
     after = [keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
     assert any(np.abs(a - b).max() > 0 for a, b in zip(after, before))  # the step's progress kept
+
+
+def test_torch_parameters_retracked_after_quantizing_single_layers():
+    from kbert.layers import Dense
+
+    model = keras.Sequential([keras.Input((4,)), Dense(3, name="dense")])
+    model.get_layer("dense").dtype_policy = "int8_from_float32"  # quantizes the built layer
+    keras_internals.retrack_variables(model)
+    if keras.backend.backend() != "torch":
+        return
+    assert parameters(keras.layers.Layer._track_variables) == ["self"]
+    # Only the current variables: the float kernel the int8 one replaced is gone.
+    dtypes = sorted(str(p.dtype) for p in model.torch_params.values())
+    assert dtypes == ["torch.float32", "torch.float32", "torch.int8"]

@@ -145,7 +145,10 @@ class BertEmbeddings(keras.layers.Layer):
             # gather of the first T rows has no such bound.
             position_ids = ops.cumsum(ops.ones_like(token_ids[0]), axis=0) - 1  # (T,)
             positions = ops.take(table, position_ids, axis=0)  # (T, H)
-        segments = ops.cast(self.segment_embedding.embeddings, self.compute_dtype)
+        if self.segment_embedding.quantization_mode is None:
+            segments = ops.cast(self.segment_embedding.embeddings, self.compute_dtype)
+        else:  # the stored table is int8; Keras' quantized lookup rescales it
+            segments = self.segment_embedding(ops.arange(self.type_vocab_size))  # (S, E)
         x = fused_embedding_sum(
             self.token_embedding(token_ids), positions, segments, segment_ids
         )  # (B, T, H)

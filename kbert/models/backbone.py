@@ -8,6 +8,7 @@ import numpy as np
 from keras import ops
 
 from kbert.layers import BertEmbeddings, Pooler, TransformerEncoderBlock, canonical_activation
+from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import batching, preset_io
 from kbert.presets.architectures import architecture_config
 from kbert.presets.io import save_backbone
@@ -229,15 +230,17 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "initializer_range": self.initializer_range,
             "output_hidden_states": self.output_hidden_states,
+            **quantized_layers_config(self),
             **({"adapter_size": self.adapter_size} if self.adapter_size else {}),
         }
 
     @classmethod
     def from_config(cls, config):
         config = dict(config)
+        quantized = config.pop("quantized_layers", None)
         if isinstance(config.get("dtype"), dict):
             config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])
-        return cls(**config)
+        return apply_quantization(cls(**config), quantized, "the backbone config")
 
     @classmethod
     def load_from_preset_dir(cls, directory, load_weights=True, **overrides):

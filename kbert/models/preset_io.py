@@ -14,6 +14,7 @@ import keras
 
 from kbert.convert import huggingface, keras_hub, tf_checkpoint
 from kbert.export import export_model
+from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
@@ -204,7 +205,12 @@ def write_task_files(task, directory):
     io.write_json(
         directory,
         TASK_CONFIG_FILE,
-        {"format": "kbert-task", "class_name": type(task).__name__, "config": task.task_config()},
+        {
+            "format": "kbert-task",
+            "class_name": type(task).__name__,
+            "config": task.task_config(),
+            **quantized_layers_config(task, exclude=[task.backbone]),
+        },
     )
     backbone_paths = tuple(v.path for v in task.backbone.weights)
     io.save_weights_file(directory, TASK_WEIGHTS_FILE, task, exclude=backbone_paths, exact=True)
@@ -223,13 +229,14 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     backbone = load_backbone(
         cls.backbone_cls, directory, load_weights=load_weights, **backbone_overrides
     )
-    task_config, head_weights = {}, None
+    task_config, head_weights, quantized = {}, None, None
     if os.path.lexists(os.path.join(directory, TASK_CONFIG_FILE)):
         saved = io.read_json(directory, TASK_CONFIG_FILE)
         if saved.get("class_name") == cls.__name__:
             task_config = saved.get("config", {})
             if not isinstance(task_config, dict):
                 raise io.PresetError(f"{directory}/{TASK_CONFIG_FILE} has no 'config' object")
+            quantized = saved.get("quantized_layers")
             if load_weights:
                 head_weights = io.load_weights_file(directory, TASK_WEIGHTS_FILE)
         else:
@@ -244,6 +251,7 @@ def load_task(cls, directory, load_weights=True, **kwargs):
         kwargs["preprocessor"] = cls.default_preprocessor(directory, backbone)
     _check_preprocessor(kwargs["preprocessor"], backbone, directory)
     model = cls(backbone=backbone, **{**task_config, **kwargs})
+    apply_quantization(model, quantized, f"{directory}/{TASK_CONFIG_FILE}")
     source = f"head weights in {directory}/{TASK_WEIGHTS_FILE}"
     if head_weights is None and load_weights:
         head_weights = huggingface.read_task_head(cls.__name__, directory, allow_pickle)

@@ -4,6 +4,7 @@ from kbert import convert, data, layers, metrics, presets, training
 from kbert.models import (
     BertBackbone,
     BertClassifier,
+    BertDistiller,
     BertMaskedLM,
     BertMultipleChoice,
     BertPreprocessor,
@@ -18,6 +19,7 @@ from kbert.version import __version__
 __all__ = [
     "BertBackbone",
     "BertClassifier",
+    "BertDistiller",
     "BertMaskedLM",
     "BertMultipleChoice",
     "BertPreprocessor",

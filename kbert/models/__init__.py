@@ -1,5 +1,6 @@
 from kbert.models.backbone import BertBackbone
 from kbert.models.classifier import BertClassifier
+from kbert.models.distiller import BertDistiller
 from kbert.models.multiple_choice import BertMultipleChoice
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.pretrainer import BertMaskedLM, BertPreTrainer
@@ -11,6 +12,7 @@ from kbert.models.token_classifier import BertTokenClassifier
 __all__ = [
     "BertBackbone",
     "BertClassifier",
+    "BertDistiller",
     "BertMaskedLM",
     "BertMultipleChoice",
     "BertPreTrainer",

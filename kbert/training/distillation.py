@@ -1,0 +1,101 @@
+"""Knowledge-distillation losses (DistilBERT, TinyBERT, task distillation).
+
+Shapes: B batch, T tokens (query), S tokens (key, = T), N heads, H hidden,
+C classes (or vocabulary entries), `...` any leading axes.
+
+Every loss is float32 and a weighted mean over the real items (tokens,
+predictions or query-key pairs): padding counts nowhere, and a batch with
+no real item gives 0, not NaN.
+"""
+
+from keras import ops
+
+_TINY = 1e-5  # as the original BERT code's MLM normaliser: 0 items give 0
+
+
+def _weighted_mean(values, weights):
+    weights = ops.cast(weights, "float32")
+    return ops.sum(values * weights) / (ops.sum(weights) + _TINY)
+
+
+def soft_target_loss(teacher_logits, student_logits, temperature=2.0, weights=None):
+    """KL(softmax(t / T) || softmax(s / T)) * T^2, a weighted mean over `...`.
+
+    DistilBERT's `alpha_ce` term and the soft-label loss of task distillation
+    (Hinton et al. 2015): the soft-target cross-entropy minus the teacher's
+    entropy, which has the same gradient and is 0 when the student matches
+    the teacher. The T^2 keeps gradient sizes independent of T.
+
+    Args:
+        teacher_logits: tensor (..., C).
+        student_logits: tensor (..., C).
+        temperature: float. T.
+        weights: tensor (...) or None. e.g. `mask_weights` (0 for padded
+            prediction slots); None weighs every row 1.
+    """
+    t = ops.cast(teacher_logits, "float32") / temperature
+    s = ops.cast(student_logits, "float32") / temperature
+    t_log = ops.log_softmax(t, axis=-1)
+    s_log = ops.log_softmax(s, axis=-1)
+    kl = ops.sum(ops.exp(t_log) * (t_log - s_log), axis=-1)  # (...)
+    if weights is None:
+        weights = ops.ones_like(kl)
+    return _weighted_mean(kl, weights) * (temperature**2)
+
+
+def cosine_loss(teacher_hidden, student_hidden, padding_mask):
+    """Mean over real tokens of 1 - cos(teacher, student) (DistilBERT's `alpha_cos`).
+
+    Args:
+        teacher_hidden: tensor (B, T, H).
+        student_hidden: tensor (B, T, H), same H (project first otherwise).
+        padding_mask: tensor (B, T). 1 for real tokens.
+    """
+    t = ops.cast(teacher_hidden, "float32")
+    s = ops.cast(student_hidden, "float32")
+    dot = ops.sum(t * s, axis=-1)
+    norms = ops.sqrt(ops.sum(t * t, axis=-1) * ops.sum(s * s, axis=-1))
+    cos = dot / ops.maximum(norms, 1e-8)  # (B, T)
+    return _weighted_mean(1.0 - cos, padding_mask)
+
+
+def hidden_state_mse(teacher_hidden, student_hidden, padding_mask):
+    """Mean squared difference over real tokens and the H features (TinyBERT's
+    hidden-state and embedding losses).
+
+    Args:
+        teacher_hidden: tensor (B, T, H).
+        student_hidden: tensor (B, T, H), projected to the teacher's width.
+        padding_mask: tensor (B, T). 1 for real tokens.
+    """
+    diff = ops.cast(teacher_hidden, "float32") - ops.cast(student_hidden, "float32")
+    per_token = ops.mean(diff * diff, axis=-1)  # (B, T)
+    return _weighted_mean(per_token, padding_mask)
+
+
+def attention_score_mse(teacher_scores, student_scores, padding_mask):
+    """Mean squared difference of pre-softmax attention scores over the
+    query-key pairs where both tokens are real (TinyBERT's attention loss).
+
+    Args:
+        teacher_scores: tensor (B, N, T, S). QK^T / sqrt(D), no mask added.
+        student_scores: tensor (B, N, T, S), same N.
+        padding_mask: tensor (B, T). 1 for real tokens.
+    """
+    diff = ops.cast(teacher_scores, "float32") - ops.cast(student_scores, "float32")
+    mask = ops.cast(padding_mask, "float32")
+    pairs = mask[:, None, :, None] * mask[:, None, None, :]  # (B, 1, T, S)
+    pairs = ops.broadcast_to(pairs, ops.shape(diff))
+    return _weighted_mean(diff * diff, pairs)
+
+
+def default_layer_map(teacher_layers, student_layers):
+    """TinyBERT's uniform mapping g(m) = m * L_t / L_s (rounded down) for the
+    student's blocks m = 1 .. L_s, as 1-based teacher block numbers (0 is the
+    embedding output).
+
+    Example:
+    >>> default_layer_map(6, 3)
+    [2, 4, 6]
+    """
+    return [m * teacher_layers // student_layers for m in range(1, student_layers + 1)]

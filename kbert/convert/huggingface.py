@@ -1,6 +1,10 @@
 """Hugging Face BERT directories <-> kbert.
 
 Reads `config.json` + `model.safetensors` (or a sharded safetensors index).
+ALBERT checkpoints (model_type "albert": `AlbertModel`, `AlbertForPreTraining`,
+`AlbertForMaskedLM` and the task heads) load into a backbone with
+`embedding_dim` and `share_layers`, when all layers share one block
+(num_hidden_groups = inner_group_num = 1, as in every released ALBERT).
 `pytorch_model.bin` is a pickle, which can run code when loaded, so it is read
 only when the caller passes `allow_pickle=True` (and then with torch's
 `weights_only=True` loader).
@@ -49,12 +53,32 @@ def is_huggingface_dir(directory):
     return "model_type" in read_json(directory, "config.json")
 
 
+# transformers' AlbertConfig defaults where they differ from kbert's.
+ALBERT_DEFAULTS = {
+    "hidden_act": "gelu_new",
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "embedding_size": 128,
+}
+
+
 def backbone_config_from_hf(hf_config, source="config.json"):
     model_type = hf_config.get("model_type")
-    if model_type != "bert":
+    if model_type not in ("bert", "albert"):
         raise PresetError(
-            f"{source} describes a {model_type!r} model; kbert loads BERT (model_type 'bert')"
+            f"{source} describes a {model_type!r} model; kbert loads BERT (model_type 'bert') "
+            "and ALBERT (model_type 'albert')"
         )
+    if model_type == "albert":
+        hf_config = {**ALBERT_DEFAULTS, **hf_config}
+        for key in ("num_hidden_groups", "inner_group_num"):
+            if hf_config.get(key, 1) != 1:
+                raise PresetError(
+                    f"{source}: {key}={hf_config[key]!r:.60}; kbert's shared-layer backbone "
+                    "holds one block shared by all layers (num_hidden_groups=1 and "
+                    "inner_group_num=1, as in the released ALBERT models); other layer "
+                    "groupings cannot be loaded"
+                )
     position_type = hf_config.get("position_embedding_type", "absolute")
     if position_type != "absolute":
         raise PresetError(
@@ -83,6 +107,9 @@ def backbone_config_from_hf(hf_config, source="config.json"):
             f"{source} lacks {absent} (Hugging Face names: "
             f"{[k for k, v in HF_TO_KBERT_CONFIG.items() if v in absent]})"
         )
+    if model_type == "albert":
+        config["embedding_dim"] = hf_config["embedding_size"]
+        config["share_layers"] = True
     return config
 
 
@@ -182,8 +209,45 @@ def _prefix(state):
     raise PresetError("the checkpoint has no embeddings.word_embeddings.weight: not a BERT")
 
 
+# A block's Hugging Face names (relative to the block) -> kbert's, for BERT's
+# `encoder.layer.{i}` and ALBERT's shared `albert_layers.0`.
+BERT_BLOCK = {
+    "qkv": [f"attention.self.{n}" for n in ("query", "key", "value")],
+    "dense": [
+        ("attention.output.dense", "self_attention/output"),
+        ("intermediate.dense", "intermediate_dense"),
+        ("output.dense", "output_dense"),
+    ],
+    "layer_norm": [
+        ("attention.output.LayerNorm", "attention_layer_norm"),
+        ("output.LayerNorm", "output_layer_norm"),
+    ],
+}
+ALBERT_BLOCK = {
+    "qkv": [f"attention.{n}" for n in ("query", "key", "value")],
+    "dense": [
+        ("attention.dense", "self_attention/output"),
+        ("ffn", "intermediate_dense"),
+        ("ffn_output", "output_dense"),
+    ],
+    "layer_norm": [
+        ("attention.LayerNorm", "attention_layer_norm"),
+        ("full_layer_layer_norm", "output_layer_norm"),
+    ],
+}
+ALBERT_SHARED_BLOCK = "encoder.albert_layer_groups.0.albert_layers.0."
+ALBERT_PROJECTION = "encoder.embedding_hidden_mapping_in"
+SHARED_LAYER = "shared_transformer_layer/"  # kbert.models.backbone.SHARED_LAYER_NAME
+_ALBERT_BLOCK_NAME = re.compile(r"encoder\.albert_layer_groups\.(\d+)\.albert_layers\.(\d+)\.")
+
+
+def _is_albert(state):
+    return any(ALBERT_PROJECTION in name for name in state)
+
+
 def backbone_weights_from_hf(state, num_layers):
-    """Maps a (normalised) Hugging Face state dict to kbert backbone paths.
+    """Maps a (normalised) Hugging Face BERT or ALBERT state dict to kbert
+    backbone paths.
 
     Returns (weights, used_names)."""
     p = _prefix(state)
@@ -196,6 +260,19 @@ def backbone_weights_from_hf(state, num_layers):
         used.add(key)
         return state[key].T if transpose else state[key]
 
+    def block(hf, ours, names):
+        qkv = names["qkv"]
+        w[ours + "self_attention/qkv/kernel"] = np.concatenate(
+            [get(hf + n + ".weight", True) for n in qkv], axis=1
+        )
+        w[ours + "self_attention/qkv/bias"] = np.concatenate([get(hf + n + ".bias") for n in qkv])
+        for theirs, mine in names["dense"]:
+            w[ours + mine + "/kernel"] = get(hf + theirs + ".weight", True)
+            w[ours + mine + "/bias"] = get(hf + theirs + ".bias")
+        for theirs, mine in names["layer_norm"]:
+            w[ours + mine + "/gamma"] = get(hf + theirs + ".weight")
+            w[ours + mine + "/beta"] = get(hf + theirs + ".bias")
+
     w = {
         "embeddings/token_embedding/embeddings": get("embeddings.word_embeddings.weight"),
         "embeddings/segment_embedding/embeddings": get("embeddings.token_type_embeddings.weight"),
@@ -203,30 +280,32 @@ def backbone_weights_from_hf(state, num_layers):
         "embeddings/layer_norm/gamma": get("embeddings.LayerNorm.weight"),
         "embeddings/layer_norm/beta": get("embeddings.LayerNorm.bias"),
     }
-    for i in range(num_layers):
-        hf, ours = f"encoder.layer.{i}.", f"transformer_layer_{i}/"
-        qkv = [f"attention.self.{n}" for n in ("query", "key", "value")]
-        w[ours + "self_attention/qkv/kernel"] = np.concatenate(
-            [get(hf + n + ".weight", True) for n in qkv], axis=1
-        )
-        w[ours + "self_attention/qkv/bias"] = np.concatenate([get(hf + n + ".bias") for n in qkv])
-        for theirs, mine in [
-            ("attention.output.dense", "self_attention/output"),
-            ("intermediate.dense", "intermediate_dense"),
-            ("output.dense", "output_dense"),
-        ]:
-            w[ours + mine + "/kernel"] = get(hf + theirs + ".weight", True)
-            w[ours + mine + "/bias"] = get(hf + theirs + ".bias")
-        for theirs, mine in [
-            ("attention.output.LayerNorm", "attention_layer_norm"),
-            ("output.LayerNorm", "output_layer_norm"),
-        ]:
-            w[ours + mine + "/gamma"] = get(hf + theirs + ".weight")
-            w[ours + mine + "/beta"] = get(hf + theirs + ".bias")
-    if p + "pooler.dense.weight" in state:
-        w["pooler/dense/kernel"] = get("pooler.dense.weight", True)
-        w["pooler/dense/bias"] = get("pooler.dense.bias")
+    if _is_albert(state):
+        _check_albert_groups(state)
+        w["embeddings/projection/kernel"] = get(ALBERT_PROJECTION + ".weight", True)
+        w["embeddings/projection/bias"] = get(ALBERT_PROJECTION + ".bias")
+        block(ALBERT_SHARED_BLOCK, SHARED_LAYER, ALBERT_BLOCK)
+        pooler = "pooler."  # AlbertModel's pooler is a bare Linear
+    else:
+        for i in range(num_layers):
+            block(f"encoder.layer.{i}.", f"transformer_layer_{i}/", BERT_BLOCK)
+        pooler = "pooler.dense."
+    if p + pooler + "weight" in state:
+        w["pooler/dense/kernel"] = get(pooler + "weight", True)
+        w["pooler/dense/bias"] = get(pooler + "bias")
     return w, used
+
+
+def _check_albert_groups(names):
+    """Refuses ALBERT weights with more than one layer group or inner layer."""
+    for name in names:
+        m = _ALBERT_BLOCK_NAME.search(name)
+        if m is not None and m.groups() != ("0", "0"):
+            raise PresetError(
+                f"the checkpoint holds {name!r}: several ALBERT layer groups or inner layers; "
+                "kbert loads ALBERT with one block shared by all layers "
+                "(num_hidden_groups=1, inner_group_num=1)"
+            )
 
 
 _HF_EMBEDDINGS = {
@@ -245,6 +324,19 @@ def backbone_shapes_from_hf(shapes):
         for theirs, ours in _HF_EMBEDDINGS.items()
         if p + theirs in shapes
     }
+    if _is_albert(shapes):
+        _check_albert_groups(shapes)
+        projection = shapes.get(p + ALBERT_PROJECTION + ".weight")
+        if projection is not None:  # torch Linear: (out, in)
+            out["embeddings/projection/kernel"] = tuple(projection)[::-1]
+        for name, shape in shapes.items():
+            if name.startswith(p + ALBERT_SHARED_BLOCK):
+                rest = name[len(p + ALBERT_SHARED_BLOCK) :]
+                if rest == "ffn.weight":
+                    out[SHARED_LAYER + "intermediate_dense/kernel"] = tuple(shape)[::-1]
+                else:
+                    out[SHARED_LAYER + rest] = tuple(shape)
+        return out
     block = re.compile(re.escape(p) + r"encoder\.layer\.(\d+)\.(.+)$")
     for name, shape in shapes.items():
         m = block.match(name)
@@ -293,7 +385,7 @@ def read_backbone(directory, load_weights=True, allow_pickle=False):
         shapes = weight_shapes(directory, allow_pickle)
     held = held_sizes(backbone_shapes_from_hf(shapes))
     check_backbone_config(config, source, held)
-    if config["num_layers"] < held["num_layers"]:
+    if "num_layers" in held and config["num_layers"] < held["num_layers"]:
         logger.warning(
             "%s: the config asks for %d layers; the checkpoint's last %d are unused",
             source,
@@ -308,8 +400,31 @@ def read_backbone(directory, load_weights=True, allow_pickle=False):
     return config, weights, ("pooler/",)
 
 
+def _albert_head_weights(name, state):
+    """kbert head paths -> arrays for ALBERT's MLM (H -> E transform, LayerNorm
+    at E, decoder tied to the E-wide embedding) and SOP heads."""
+    needed = ["predictions.dense.weight", "predictions.bias"]
+    if not all(k in state for k in needed):
+        return None
+    w = {
+        "mlm_head/transform/kernel": state["predictions.dense.weight"].T,
+        "mlm_head/transform/bias": state["predictions.dense.bias"],
+        "mlm_head/layer_norm/gamma": state["predictions.LayerNorm.weight"],
+        "mlm_head/layer_norm/beta": state["predictions.LayerNorm.bias"],
+        "mlm_head/output_bias": state["predictions.bias"],
+    }
+    if name == "BertPreTrainer":
+        if "sop_classifier.classifier.weight" not in state:
+            return None
+        w["sop_head/dense/kernel"] = state["sop_classifier.classifier.weight"].T
+        w["sop_head/dense/bias"] = state["sop_classifier.classifier.bias"]
+    return w
+
+
 def _head_weights(name, state):
     """kbert head paths -> arrays for the heads a Hugging Face checkpoint has."""
+    if name in ("BertPreTrainer", "BertMaskedLM") and _is_albert(state):
+        return _albert_head_weights(name, state)
     if name in ("BertPreTrainer", "BertMaskedLM"):
         needed = ["cls.predictions.transform.dense.weight", "cls.predictions.bias"]
         if not all(k in state for k in needed):
@@ -342,6 +457,17 @@ def _head_weights(name, state):
             "logits/bias": state["qa_outputs.bias"],
         }
     return None
+
+
+def sentence_task(directory):
+    """ "sop" for a Hugging Face ALBERT directory (its pre-training head
+    predicts sentence order), "nsp" for other Hugging Face directories,
+    None for anything else."""
+    if tf_checkpoint.is_tf_checkpoint_dir(directory):
+        return "nsp"
+    if not is_huggingface_dir(directory):
+        return None
+    return "sop" if read_json(directory, "config.json").get("model_type") == "albert" else "nsp"
 
 
 def read_task_head(class_name, directory, allow_pickle=False):
@@ -426,6 +552,12 @@ def export_to_huggingface(model, directory, preprocessor=None):
     if name not in HF_ARCHITECTURES:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
     backbone = model if name == "BertBackbone" else model.backbone
+    if backbone.embedding_dim is not None or backbone.share_layers:
+        raise ValueError(
+            f"this {name} has ALBERT options (embedding_dim={backbone.embedding_dim}, "
+            f"share_layers={backbone.share_layers}) that a Hugging Face BERT cannot hold; "
+            "save it as a kbert preset (save_to_preset) or a .keras file instead"
+        )
     os.makedirs(directory, exist_ok=True)
     prefix = "" if HF_ARCHITECTURES[name] == "BertModel" else "bert."
     state = backbone_state_to_hf(backbone, prefix)

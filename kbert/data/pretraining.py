@@ -16,12 +16,24 @@ drawn from non-special tokens only (the original could insert [CLS] or [PAD]);
 and the NSP label is drawn before segment A is cut, so labels are 50/50 (the
 original forces "random" for one-sentence chunks: 58% random on Sherlock).
 
+With `MaskingConfig(sentence_task="sop")` the pair is made for ALBERT's
+sentence-order prediction (Lan et al., 2020) instead: A and B are two
+consecutive runs of sentences of one document (B starts where A ends), and
+with probability 0.5 they are swapped. The label, stored as
+`next_sentence_labels`, is 0 for document order (A then B) and 1 for swapped,
+as in ALBERT's code (and transformers' `sentence_order_label`). A
+one-sentence chunk takes the next sentence (or the one before, at a
+document's end) as its partner, as the NSP continuation does; ALBERT's code
+falls back to a random-document B there, which would mix NSP into SOP.
+
 Shapes: B batch, T tokens (max_seq_length), P predictions (max_predictions_per_seq).
 """
 
 import dataclasses
 
 import numpy as np
+
+SENTENCE_TASKS = ("nsp", "sop")
 
 
 @dataclasses.dataclass
@@ -30,7 +42,7 @@ class Instance:
     segment_ids: list
     mask_positions: list
     mask_ids: list  # the original ids at mask_positions
-    is_random_next: bool
+    sentence_label: bool  # NSP: B is random; SOP: A and B are swapped
 
 
 @dataclasses.dataclass
@@ -40,8 +52,16 @@ class MaskingConfig:
     masked_lm_prob: float = 0.15
     short_seq_prob: float = 0.1
     whole_word_mask: bool = False
+    # "nsp": B follows A or is random (BERT); "sop": A and B consecutive,
+    # swapped half of the time (ALBERT). Label 1 = random / swapped.
+    sentence_task: str = "nsp"
 
     def __post_init__(self):
+        if self.sentence_task not in SENTENCE_TASKS:
+            raise ValueError(
+                f"sentence_task must be 'nsp' (next sentence prediction) or 'sop' (sentence "
+                f"order prediction), got {self.sentence_task!r}"
+            )
         if self.max_seq_length < 5:
             raise ValueError(
                 f"max_seq_length={self.max_seq_length} is too short for [CLS] A [SEP] B [SEP]"
@@ -84,7 +104,9 @@ class InstanceMaker:
     def from_documents(self, documents, rng, dupe_factor=1):
         """All instances of `dupe_factor` passes over `documents`, shuffled."""
         documents = [d for d in documents if d]
-        if len(documents) < 2:
+        if not documents:
+            raise ValueError("no non-empty documents to make pre-training instances from")
+        if len(documents) < 2 and self.config.sentence_task == "nsp":
             raise ValueError(
                 f"next-sentence prediction needs at least 2 documents, got {len(documents)}; "
                 "separate documents by blank lines (format 'lines') or add text"
@@ -103,6 +125,7 @@ class InstanceMaker:
         target_length = max_num_tokens
         if rng.random() < cfg.short_seq_prob:
             target_length = rng.randint(2, max_num_tokens)
+        sop = cfg.sentence_task == "sop"
         instances, chunk, chunk_length, i = [], [], 0, 0
         while i < len(document):
             segment = document[i]
@@ -113,7 +136,9 @@ class InstanceMaker:
                 # original forces a random B for one-sentence chunks, which skews
                 # labels towards "random" on corpora of long sentences.) A true
                 # continuation for a one-sentence chunk takes the next sentence.
-                is_random_next = rng.random() < 0.5
+                # SOP draws the swap the same way; its B is always the continuation.
+                label = rng.random() < 0.5
+                is_random_next, swap = label and not sop, label and sop
                 if not is_random_next and len(chunk) == 1:
                     if i + 1 < len(document):
                         i += 1
@@ -144,8 +169,10 @@ class InstanceMaker:
                     else:
                         tokens_b = [t for s in chunk[a_end:] for t in s]
                     self._truncate(tokens_a, tokens_b, max_num_tokens, rng)
+                    if swap:
+                        tokens_a, tokens_b = tokens_b, tokens_a
                     if tokens_a and tokens_b:
-                        instances.append(self._instance(tokens_a, tokens_b, is_random_next, rng))
+                        instances.append(self._instance(tokens_a, tokens_b, label, rng))
                 chunk, chunk_length = [], 0
             i += 1
         return instances
@@ -159,11 +186,11 @@ class InstanceMaker:
             else:
                 longer.pop()
 
-    def _instance(self, tokens_a, tokens_b, is_random_next, rng):
+    def _instance(self, tokens_a, tokens_b, sentence_label, rng):
         tokens = [self.cls_id] + tokens_a + [self.sep_id] + tokens_b + [self.sep_id]
         segment_ids = [0] * (len(tokens_a) + 2) + [1] * (len(tokens_b) + 1)
         masked, positions, labels = self.mask(tokens, rng)
-        return Instance(masked, segment_ids, positions, labels, is_random_next)
+        return Instance(masked, segment_ids, positions, labels, sentence_label)
 
     def mask(self, tokens, rng):
         """(masked tokens, sorted positions, original ids) for one sequence."""
@@ -241,5 +268,5 @@ def instances_to_arrays(instances, max_seq_length, max_predictions_per_seq, pad_
         arrays["masked_lm_positions"][row, :count] = inst.mask_positions
         arrays["masked_lm_ids"][row, :count] = inst.mask_ids
         arrays["masked_lm_weights"][row, :count] = 1.0
-        arrays["next_sentence_labels"][row, 0] = int(inst.is_random_next)
+        arrays["next_sentence_labels"][row, 0] = int(inst.sentence_label)
     return arrays

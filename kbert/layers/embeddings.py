@@ -1,12 +1,14 @@
 """BERT input embeddings: token + segment + learned position, LayerNorm, dropout.
 
-Shapes: B batch, T tokens, H hidden, V vocabulary.
+Shapes: B batch, T tokens, H hidden, E embedding width (ALBERT's factorized
+embeddings; E = H otherwise), V vocabulary.
 """
 
 import keras
 from keras import ops
 
 from kbert.backend.ops import fused_embedding_sum, reverse_table_padding
+from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.layer_norm import LayerNorm
 from kbert.utils import checks
@@ -65,17 +67,23 @@ class TokenEmbedding(keras.layers.Embedding):
 class BertEmbeddings(keras.layers.Layer):
     """Sum of token, segment and learned absolute position embeddings.
 
+    With `embedding_dim` (ALBERT's factorized embeddings, Lan et al. 2020)
+    the three tables and the LayerNorm have width E and a Dense layer
+    `projection` maps the result to H: V E + E H weights instead of V H.
+
     Args:
         vocabulary_size: int. number of token ids V.
-        hidden_dim: int. embedding width H.
+        hidden_dim: int. output width H.
         max_sequence_length: int. number of learned positions.
         type_vocab_size: int. number of segment ids (2 for sentence pairs).
         dropout: float. dropout after the LayerNorm.
         layer_norm_epsilon: float. LayerNorm epsilon.
         initializer_range: float. stddev of the truncated-normal init.
+        embedding_dim: int or None. table width E, projected to H; None:
+            tables of width H and no projection.
 
     Example:
-    >>> layer = BertEmbeddings(100, 8, max_sequence_length=16)
+    >>> layer = BertEmbeddings(100, 8, max_sequence_length=16, embedding_dim=4)
     >>> ids = keras.ops.ones((2, 5), "int32")
     >>> tuple(layer(ids, keras.ops.zeros((2, 5), "int32")).shape)
     (2, 5, 8)
@@ -90,11 +98,14 @@ class BertEmbeddings(keras.layers.Layer):
         dropout=0.1,
         layer_norm_epsilon=1e-12,
         initializer_range=0.02,
+        embedding_dim=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.vocabulary_size = vocabulary_size
         self.hidden_dim = hidden_dim
+        self.embedding_dim = embedding_dim
+        width = self.table_dim
         self.max_sequence_length = max_sequence_length
         self.type_vocab_size = type_vocab_size
         self.dropout = dropout
@@ -102,14 +113,14 @@ class BertEmbeddings(keras.layers.Layer):
         self.initializer_range = initializer_range
         self.token_embedding = TokenEmbedding(
             vocabulary_size,
-            hidden_dim,
+            width,
             embeddings_initializer=_initializer(initializer_range),
             dtype=self.dtype_policy,
             name="token_embedding",
         )
         self.segment_embedding = keras.layers.Embedding(
             type_vocab_size,
-            hidden_dim,
+            width,
             embeddings_initializer=_initializer(initializer_range),
             dtype=self.dtype_policy,
             name="segment_embedding",
@@ -118,16 +129,31 @@ class BertEmbeddings(keras.layers.Layer):
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
         self.dropout_layer = Dropout(dropout, dtype=self.dtype_policy, name="dropout")
+        self.projection = None
+        if embedding_dim is not None:
+            self.projection = Dense(
+                hidden_dim,
+                kernel_initializer=_initializer(initializer_range),
+                dtype=self.dtype_policy,
+                name="projection",
+            )
+
+    @property
+    def table_dim(self):
+        """Width of the embedding tables: E when factorized, else H."""
+        return self.hidden_dim if self.embedding_dim is None else self.embedding_dim
 
     def build(self, token_ids_shape, segment_ids_shape=None):
         self.token_embedding.build(token_ids_shape)
         self.segment_embedding.build(token_ids_shape)
         self.position_embeddings = self.add_weight(
             name="position_embeddings",
-            shape=(self.max_sequence_length, self.hidden_dim),
+            shape=(self.max_sequence_length, self.table_dim),
             initializer=_initializer(self.initializer_range),
         )
-        self.layer_norm.build(tuple(token_ids_shape) + (self.hidden_dim,))
+        self.layer_norm.build(tuple(token_ids_shape) + (self.table_dim,))
+        if self.projection is not None:
+            self.projection.build(tuple(token_ids_shape) + (self.table_dim,))
         self.built = True
 
     def call(self, token_ids, segment_ids, training=None):
@@ -138,22 +164,24 @@ class BertEmbeddings(keras.layers.Layer):
             checks.check_token_ids(segment_ids, self.type_vocab_size, "segment_ids")
         table = ops.cast(self.position_embeddings, self.compute_dtype)
         if isinstance(length, int) or ops.is_tensor(length):
-            positions = ops.slice(table, (0, 0), (length, self.hidden_dim))  # (T, H)
+            positions = ops.slice(table, (0, 0), (length, self.table_dim))  # (T, E)
         else:
             # A symbolic or unknown length (shape-polymorphic export) cannot
             # be proven <= max_sequence_length, which a slice requires; a
             # gather of the first T rows has no such bound.
             position_ids = ops.cumsum(ops.ones_like(token_ids[0]), axis=0) - 1  # (T,)
-            positions = ops.take(table, position_ids, axis=0)  # (T, H)
+            positions = ops.take(table, position_ids, axis=0)  # (T, E)
         if self.segment_embedding.quantization_mode is None:
             segments = ops.cast(self.segment_embedding.embeddings, self.compute_dtype)
         else:  # the stored table is int8; Keras' quantized lookup rescales it
             segments = self.segment_embedding(ops.arange(self.type_vocab_size))  # (S, E)
         x = fused_embedding_sum(
             self.token_embedding(token_ids), positions, segments, segment_ids
-        )  # (B, T, H)
-        x = self.layer_norm(x)
-        return self.dropout_layer(x, training=training)
+        )  # (B, T, E)
+        x = self.dropout_layer(self.layer_norm(x), training=training)
+        if self.projection is not None:
+            x = self.projection(x)  # (B, T, H)
+        return x
 
     def compute_output_shape(self, token_ids_shape, segment_ids_shape=None):
         return tuple(token_ids_shape) + (self.hidden_dim,)
@@ -169,4 +197,6 @@ class BertEmbeddings(keras.layers.Layer):
             layer_norm_epsilon=self.layer_norm_epsilon,
             initializer_range=self.initializer_range,
         )
+        if self.embedding_dim is not None:
+            config["embedding_dim"] = self.embedding_dim
         return config

@@ -1,6 +1,7 @@
 """Heads on top of the encoder: pooler, masked-LM head, next-sentence head.
 
-Shapes: B batch, T tokens, P predictions per sequence, H hidden, V vocabulary.
+Shapes: B batch, T tokens, P predictions per sequence, H hidden, V vocabulary,
+E embedding width (factorized embeddings; E = H otherwise).
 Logits are float32 under mixed precision, so losses are computed in float32.
 """
 
@@ -64,7 +65,9 @@ class MaskedLMHead(keras.layers.Layer):
     Gathers `mask_positions` first, so the vocabulary projection (the largest
     matrix product of pre-training) runs on P positions, not T. Then
     Dense -> activation -> LayerNorm -> decoder tied to the token embedding
-    (transposed) -> per-token output bias, as in the original BERT.
+    (transposed) -> per-token output bias, as in the original BERT. With
+    `embedding_dim` (ALBERT) the Dense maps H -> E and the LayerNorm and the
+    tied decoder work at E, the width of the factorized token embedding.
 
     Args:
         vocabulary_size: int. V.
@@ -75,6 +78,7 @@ class MaskedLMHead(keras.layers.Layer):
         token_embedding: `kbert.layers.TokenEmbedding` or None. The embedding
             to tie the decoder to (not serialized: the task model that owns
             both passes it again when rebuilt). None gives an untied decoder.
+        embedding_dim: int or None. E, the decoder's width; None: H.
 
     Example:
     >>> head = MaskedLMHead(vocabulary_size=20, hidden_dim=8)
@@ -91,6 +95,7 @@ class MaskedLMHead(keras.layers.Layer):
         layer_norm_epsilon=1e-12,
         initializer_range=0.02,
         token_embedding=None,
+        embedding_dim=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -100,16 +105,19 @@ class MaskedLMHead(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.token_embedding = token_embedding
+        self.embedding_dim = embedding_dim
+        width = self.decoder_dim
         if token_embedding is not None and (
-            token_embedding.input_dim != vocabulary_size or token_embedding.output_dim != hidden_dim
+            token_embedding.input_dim != vocabulary_size or token_embedding.output_dim != width
         ):
+            name = "hidden_dim" if embedding_dim is None else "embedding_dim"
             raise ValueError(
                 "token_embedding shape "
                 f"({token_embedding.input_dim}, {token_embedding.output_dim}) does not "
-                f"match vocabulary_size={vocabulary_size}, hidden_dim={hidden_dim}"
+                f"match vocabulary_size={vocabulary_size}, {name}={width}"
             )
         self.transform = Dense(
-            hidden_dim,
+            width,
             activation=get_activation(self.activation),
             kernel_initializer=_initializer(initializer_range),
             dtype=self.dtype_policy,
@@ -119,13 +127,18 @@ class MaskedLMHead(keras.layers.Layer):
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
 
+    @property
+    def decoder_dim(self):
+        """Width the decoder works at: E with factorized embeddings, else H."""
+        return self.hidden_dim if self.embedding_dim is None else self.embedding_dim
+
     def build(self, sequence_output_shape, mask_positions_shape=None):
         self.transform.build((None, None, self.hidden_dim))
-        self.layer_norm.build((None, None, self.hidden_dim))
+        self.layer_norm.build((None, None, self.decoder_dim))
         if self.token_embedding is None:
             self.decoder_kernel = self.add_weight(
                 name="decoder_kernel",
-                shape=(self.hidden_dim, self.vocabulary_size),
+                shape=(self.decoder_dim, self.vocabulary_size),
                 initializer=_initializer(self.initializer_range),
             )
         self.output_bias = self.add_weight(
@@ -136,7 +149,7 @@ class MaskedLMHead(keras.layers.Layer):
     def call(self, sequence_output, mask_positions):
         positions = ops.expand_dims(ops.cast(mask_positions, "int32"), -1)  # (B, P, 1)
         x = ops.take_along_axis(sequence_output, positions, axis=1)  # (B, P, H)
-        x = self.layer_norm(self.transform(x))
+        x = self.layer_norm(self.transform(x))  # (B, P, E)
         if self.token_embedding is not None:
             logits = self.token_embedding(x, reverse=True)  # (B, P, V)
         else:
@@ -160,12 +173,16 @@ class MaskedLMHead(keras.layers.Layer):
             layer_norm_epsilon=self.layer_norm_epsilon,
             initializer_range=self.initializer_range,
         )
+        if self.embedding_dim is not None:
+            config["embedding_dim"] = self.embedding_dim
         return config
 
 
 @keras.saving.register_keras_serializable(package="kbert")
 class NextSentenceHead(keras.layers.Layer):
-    """Two logits from the pooled output: 0 = B follows A, 1 = B is random.
+    """Two logits from the pooled output: 0 = B follows A, 1 = B is random
+    (next sentence prediction), or 0 = A then B in document order, 1 =
+    swapped (ALBERT's sentence-order prediction): the same layer.
 
     Args:
         initializer_range: float. stddev of the truncated-normal init.

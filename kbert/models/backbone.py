@@ -1,6 +1,6 @@
 """BertBackbone: the BERT encoder as a functional Keras model.
 
-Shapes: B batch, T tokens, H hidden, L layers.
+Shapes: B batch, T tokens, H hidden, E embedding width, L layers.
 """
 
 import keras
@@ -15,6 +15,7 @@ from kbert.presets.io import save_backbone
 from kbert.utils import checks
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
+SHARED_LAYER_NAME = "shared_transformer_layer"
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -27,6 +28,12 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
     `output_hidden_states=True`, `hidden_states` (B, L + 1, T, H): the
     embedding output followed by each layer's output (for feature-based use
     and learned layer mixtures).
+
+    ALBERT's parameter reductions (Lan et al., 2020) are options, off by
+    default: `embedding_dim` factorizes the embeddings (tables of width E,
+    LayerNorm at E, then the Dense `embeddings/projection` E -> H), and
+    `share_layers` applies one block, `shared_transformer_layer`, L times
+    (one set of block weights; `transformer_layers` lists it L times).
 
     Args:
         vocabulary_size: int. number of token ids.
@@ -45,6 +52,10 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         output_hidden_states: bool. also output every layer's hidden states.
         adapter_size: int or None. adds bottleneck adapters of this width to
             every block (Houlsby et al., 2019; identity at initialisation).
+        embedding_dim: int or None. width E of the embedding tables, projected
+            to H (ALBERT); None: tables of width H, no projection.
+        share_layers: bool. one Transformer block applied `num_layers` times
+            (ALBERT's cross-layer sharing).
         dtype: str or `keras.DTypePolicy`. e.g. "float32", "mixed_bfloat16".
 
     Example:
@@ -73,6 +84,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         initializer_range=0.02,
         output_hidden_states=False,
         adapter_size=None,
+        embedding_dim=None,
+        share_layers=False,
         dtype=None,
         **kwargs,
     ):
@@ -89,6 +102,17 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         if hidden_dim % num_heads:
             raise ValueError(f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}")
+        if embedding_dim is not None and (
+            not isinstance(embedding_dim, int)
+            or isinstance(embedding_dim, bool)
+            or embedding_dim < 1
+        ):
+            raise ValueError(
+                f"embedding_dim must be a positive int (or None: no factorization), "
+                f"got {embedding_dim!r}"
+            )
+        if not isinstance(share_layers, bool):
+            raise ValueError(f"share_layers must be True or False, got {share_layers!r}")
         for arg, value in [("dropout", dropout), ("attention_dropout", attention_dropout)]:
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
@@ -103,11 +127,13 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             dropout=dropout,
             layer_norm_epsilon=layer_norm_epsilon,
             initializer_range=initializer_range,
+            embedding_dim=embedding_dim,
             dtype=dtype,
             name="embeddings",
         )
-        blocks = [
-            TransformerEncoderBlock(
+
+        def block(name):
+            return TransformerEncoderBlock(
                 num_heads,
                 hidden_dim,
                 intermediate_dim,
@@ -118,10 +144,16 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 initializer_range=initializer_range,
                 adapter_size=adapter_size,
                 dtype=dtype,
-                name=f"transformer_layer_{i}",
+                name=name,
             )
-            for i in range(num_layers)
-        ]
+
+        if share_layers:
+            # One layer called L times: the functional graph holds L nodes
+            # of the same layer, so its weights exist (and are saved) once
+            # and receive the sum of the L applications' gradients.
+            blocks = [block(SHARED_LAYER_NAME)] * num_layers
+        else:
+            blocks = [block(f"transformer_layer_{i}") for i in range(num_layers)]
         pooler = Pooler(hidden_dim, initializer_range, dtype=dtype, name="pooler")
 
         # === Functional model ===
@@ -153,6 +185,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.initializer_range = initializer_range
         self.output_hidden_states = output_hidden_states
         self.adapter_size = adapter_size
+        self.embedding_dim = embedding_dim
+        self.share_layers = share_layers
 
     @property
     def token_embedding(self):
@@ -161,6 +195,10 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
 
     @property
     def transformer_layers(self):
+        """The block applied at each of the L positions (with `share_layers`,
+        the same layer L times)."""
+        if self.share_layers:
+            return [self.get_layer(SHARED_LAYER_NAME)] * self.num_layers
         return [self.get_layer(f"transformer_layer_{i}") for i in range(self.num_layers)]
 
     def check_inputs(self, inputs):
@@ -232,6 +270,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             "output_hidden_states": self.output_hidden_states,
             **quantized_layers_config(self),
             **({"adapter_size": self.adapter_size} if self.adapter_size else {}),
+            **({"embedding_dim": self.embedding_dim} if self.embedding_dim is not None else {}),
+            **({"share_layers": True} if self.share_layers else {}),
         }
 
     @classmethod

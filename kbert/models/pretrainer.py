@@ -1,14 +1,18 @@
-"""BertPreTrainer (masked LM + next sentence prediction) and BertMaskedLM.
+"""BertPreTrainer (masked LM + next sentence or sentence order prediction)
+and BertMaskedLM.
 
 Shapes: B batch, T tokens, P predictions per sequence, V vocabulary.
 Inputs: token_ids, segment_ids, padding_mask (B, T), mask_positions (B, P).
-Targets: mask_ids, mask_weights (B, P), next_sentence_labels (B,).
+Targets: mask_ids, mask_weights (B, P), next_sentence_labels (B,): the
+sentence task's label, NSP (0 = B follows A, 1 = random B) or SOP (0 = A
+then B in document order, 1 = swapped).
 """
 
 import keras
 from keras import ops
 
-from kbert.backend.tensorflow import replica_sum
+from kbert.backend.replicas import replica_sum
+from kbert.convert import huggingface
 from kbert.layers import MaskedLMHead, NextSentenceHead
 from kbert.models.task import Task
 
@@ -44,6 +48,9 @@ def next_sentence_loss(labels, logits):
     return ops.mean(losses)
 
 
+SENTENCE_TASKS = ("nsp", "sop")
+
+
 class _PreTrainingTask(Task):
     """Shared graph and loss of BertPreTrainer and BertMaskedLM."""
 
@@ -52,7 +59,18 @@ class _PreTrainingTask(Task):
     # static shapes they have: tf.data batches are not cut to buckets.
     bucket_datasets = False
 
-    def __init__(self, backbone, preprocessor=None, **kwargs):
+    def __init__(self, backbone, preprocessor=None, sentence_task="nsp", **kwargs):
+        if sentence_task not in SENTENCE_TASKS:
+            raise ValueError(
+                f"sentence_task must be 'nsp' (next sentence prediction) or 'sop' "
+                f"(sentence order prediction), got {sentence_task!r}"
+            )
+        if not self.with_nsp and sentence_task != "nsp":
+            raise ValueError(
+                f"{type(self).__name__} trains no sentence task; use "
+                f"BertPreTrainer(backbone, sentence_task={sentence_task!r})"
+            )
+        task = sentence_task  # the prefix of the head, output and metric names
         policy = backbone.get_layer("embeddings").dtype_policy
         inputs = self.backbone_inputs(backbone)
         inputs["mask_positions"] = keras.Input(shape=(None,), dtype="int32", name="mask_positions")
@@ -64,20 +82,25 @@ class _PreTrainingTask(Task):
             layer_norm_epsilon=backbone.layer_norm_epsilon,
             initializer_range=backbone.initializer_range,
             token_embedding=backbone.token_embedding,
+            embedding_dim=backbone.embedding_dim,
             dtype=policy,
             name="mlm_head",
         )
         outputs = {"mlm_logits": mlm_head(features["sequence_output"], inputs["mask_positions"])}
         if self.with_nsp:
-            nsp_head = NextSentenceHead(backbone.initializer_range, dtype=policy, name="nsp_head")
-            outputs["nsp_logits"] = nsp_head(features["pooled_output"])
+            head = NextSentenceHead(backbone.initializer_range, dtype=policy, name=f"{task}_head")
+            outputs[f"{task}_logits"] = head(features["pooled_output"])
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self._set_backbone(backbone, preprocessor)
+        self.sentence_task = sentence_task
         self.mlm_loss_tracker = keras.metrics.Mean(name="mlm_loss")
         self.mlm_accuracy = keras.metrics.Mean(name="mlm_accuracy")
         if self.with_nsp:
-            self.nsp_loss_tracker = keras.metrics.Mean(name="nsp_loss")
-            self.nsp_accuracy = keras.metrics.SparseCategoricalAccuracy(name="nsp_accuracy")
+            self.nsp_loss_tracker = keras.metrics.Mean(name=f"{task}_loss")
+            self.nsp_accuracy = keras.metrics.SparseCategoricalAccuracy(name=f"{task}_accuracy")
+
+    def task_config(self):
+        return {"sentence_task": self.sentence_task} if self.sentence_task != "nsp" else {}
 
     @property
     def metrics(self):
@@ -115,12 +138,13 @@ class _PreTrainingTask(Task):
         self.mlm_accuracy.update_state(correct, sample_weight=weights)
         total = mlm
         if self.with_nsp:
-            nsp = next_sentence_loss(y["next_sentence_labels"], y_pred["nsp_logits"]) / replicas
+            logits = y_pred[f"{self.sentence_task}_logits"]
+            nsp = next_sentence_loss(y["next_sentence_labels"], logits) / replicas
             nsp_total = replica_sum(nsp)[0] if replicas > 1 else nsp
             self.nsp_loss_tracker.update_state(nsp_total, sample_weight=ops.ones_like(nsp_total))
             labels = y["next_sentence_labels"]
             self.nsp_accuracy.update_state(
-                labels, y_pred["nsp_logits"], sample_weight=ops.ones_like(labels, "float32")
+                labels, logits, sample_weight=ops.ones_like(labels, "float32")
             )
             total = total + nsp
         for extra in self.losses:
@@ -146,20 +170,34 @@ class _PreTrainingTask(Task):
 
 @keras.saving.register_keras_serializable(package="kbert")
 class BertPreTrainer(_PreTrainingTask):
-    """BERT pre-training: masked LM on `mask_positions` + next sentence prediction.
+    """BERT pre-training: masked LM on `mask_positions` + a sentence task.
 
     Outputs `mlm_logits` (B, P, V) and `nsp_logits` (B, 2), both float32.
     `fit` takes `(x, y)` batches from `kbert.data` and reports `mlm_loss`,
-    `mlm_accuracy`, `nsp_loss`, `nsp_accuracy`.
+    `mlm_accuracy`, `nsp_loss`, `nsp_accuracy`. With `sentence_task="sop"`
+    (ALBERT's sentence order prediction; data from
+    `MaskingConfig(sentence_task="sop")`) the head is `sop_head`, the output
+    `sop_logits` and the metrics `sop_loss`, `sop_accuracy`; the target is
+    still `next_sentence_labels`, carrying the SOP label (1 = swapped).
 
     Args:
         backbone: `kbert.BertBackbone`.
+        preprocessor: `kbert.BertPreprocessor` or None.
+        sentence_task: str. "nsp" (next sentence prediction, BERT) or "sop"
+            (sentence order prediction, ALBERT).
 
     Example:
     >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
     >>> model = BertPreTrainer(backbone)
     >>> model.compile()
     """
+
+    @classmethod
+    def load_from_preset_dir(cls, directory, load_weights=True, **kwargs):
+        # A Hugging Face ALBERT checkpoint's pre-training head is SOP.
+        if "sentence_task" not in kwargs and huggingface.sentence_task(directory) == "sop":
+            kwargs["sentence_task"] = "sop"
+        return super().load_from_preset_dir(directory, load_weights=load_weights, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="kbert")

@@ -50,6 +50,7 @@ SIZE_LIMITS = {
     "intermediate_dim": 1 << 16,
     "max_sequence_length": 1 << 17,
     "type_vocab_size": 1 << 16,
+    "embedding_dim": 1 << 14,
 }
 # A config without weights (load_weights=False) builds a random model: at
 # most this many parameters (4 GiB in float32; BERT-large has 0.34 billion).
@@ -68,8 +69,11 @@ def parameter_count(config):
     )
     p = config.get("max_sequence_length", DEFAULT_SIZES["max_sequence_length"])
     t = config.get("type_vocab_size", DEFAULT_SIZES["type_vocab_size"])
+    e = config.get("embedding_dim")
     block = 4 * h * h + 2 * h * i + i + 9 * h  # qkv, output, feed-forward, 2 LayerNorms
-    return (v + p + t + 2) * h + layers * block + h * h + h
+    blocks = block if config.get("share_layers") else layers * block
+    embeddings = (v + p + t + 2) * h if e is None else (v + p + t + 2) * e + e * h + h
+    return embeddings + blocks + h * h + h
 
 
 def _is_int(value):
@@ -102,6 +106,11 @@ def check_backbone_config(config, source, held=None, load_weights=True):
     if absent:
         raise PresetError(f"{source} lacks the backbone setting(s) {absent}")
     sizes = {**DEFAULT_SIZES, **{k: config[k] for k in SIZE_LIMITS if k in config}}
+    if sizes.get("embedding_dim", 0) is None:
+        del sizes["embedding_dim"]  # null: no factorized embeddings
+    share_layers = config.get("share_layers", False)
+    if not isinstance(share_layers, bool):
+        raise PresetError(f"{source}: share_layers must be true or false, got {share_layers!r:.60}")
     for name, value in sizes.items():
         if not _is_int(value) or value < 1:
             raise PresetError(f"{source}: {name} must be a positive integer, got {value!r:.60}")
@@ -136,13 +145,34 @@ def check_backbone_config(config, source, held=None, load_weights=True):
             f"got {adapter!r:.60}"
         )
     if held is None:
-        if not load_weights and parameter_count(sizes) > MAX_CONFIG_ONLY_PARAMETERS:
+        count = parameter_count({**sizes, "share_layers": share_layers})
+        if not load_weights and count > MAX_CONFIG_ONLY_PARAMETERS:
             raise PresetError(
-                f"{source} describes a backbone of {parameter_count(sizes):,} parameters, more "
+                f"{source} describes a backbone of {count:,} parameters, more "
                 f"than the {MAX_CONFIG_ONLY_PARAMETERS:,} a config without weights may build; "
                 "construct BertBackbone(...) directly if you mean it"
             )
         return
+    held = dict(held)
+    if held.pop("share_layers", False) != share_layers:
+        raise PresetError(
+            f"{source}: share_layers={str(share_layers).lower()} but the weights hold "
+            + ("one shared block" if not share_layers else "a block per layer")
+            + "; the config does not describe these weights (fix the config or use its own "
+            "weights)"
+        )
+    held_embedding = held.pop("embedding_dim", None)
+    if held_embedding != sizes.get("embedding_dim"):
+        raise PresetError(
+            f"{source}: embedding_dim={sizes.get('embedding_dim')} but the weights hold "
+            + (
+                f"factorized embeddings of width {held_embedding}"
+                if held_embedding
+                else "no embedding projection"
+            )
+            + "; the config does not describe these weights (fix the config or use its own "
+            "weights)"
+        )
     for name, value in held.items():
         if value is None:
             raise PresetError(

@@ -57,6 +57,8 @@ def assign_weights(layer, weights, source="weights", allow_missing=(), paths=Non
 
 
 _LAYER = re.compile(r"transformer_layer_(\d+)/")
+SHARED_LAYER = "shared_transformer_layer/"  # kbert.models.backbone.SHARED_LAYER_NAME
+PROJECTION = "embeddings/projection/kernel"
 
 
 def held_sizes(shapes):
@@ -67,7 +69,11 @@ def held_sizes(shapes):
             tables, the block paths and block 0's intermediate kernel matter.
 
     Returns {size name: int, or None where the tensor holding it is absent}.
-    Layers count from block 0 up to the first one missing.
+    Layers count from block 0 up to the first one missing. ALBERT-style
+    weights add `embedding_dim` (the table width, when an
+    `embeddings/projection` maps it to `hidden_dim`; None without one) and
+    `share_layers` (one shared block, which holds no layer count: its
+    `num_layers` is absent).
     """
 
     def dim(path, axis):
@@ -78,11 +84,19 @@ def held_sizes(shapes):
     layers = 0
     while layers in blocks:
         layers += 1
-    return {
+    shared = any(path.startswith(SHARED_LAYER) for path in shapes)
+    factorized = PROJECTION in shapes
+    first_block = SHARED_LAYER if shared else "transformer_layer_0/"
+    held = {
         "vocabulary_size": dim("embeddings/token_embedding/embeddings", 0),
-        "hidden_dim": dim("embeddings/token_embedding/embeddings", 1),
+        "hidden_dim": dim(PROJECTION if factorized else "embeddings/token_embedding/embeddings", 1),
         "max_sequence_length": dim("embeddings/position_embeddings", 0),
         "type_vocab_size": dim("embeddings/segment_embedding/embeddings", 0),
         "num_layers": layers or None,
-        "intermediate_dim": dim("transformer_layer_0/intermediate_dense/kernel", 1),
+        "intermediate_dim": dim(first_block + "intermediate_dense/kernel", 1),
+        "embedding_dim": dim("embeddings/token_embedding/embeddings", 1) if factorized else None,
+        "share_layers": shared,
     }
+    if shared:
+        del held["num_layers"]
+    return held

@@ -85,6 +85,12 @@ def parse_args(argv=None):
     data.add_argument("--short-seq-prob", type=float, default=0.1)
     data.add_argument("--whole-word-mask", action="store_true")
     data.add_argument(
+        "--sentence-task",
+        default="nsp",
+        choices=["nsp", "sop"],
+        help="nsp: next sentence prediction (BERT); sop: sentence order prediction (ALBERT)",
+    )
+    data.add_argument(
         "--eval-fraction", type=float, default=0.15, help="share of documents held out"
     )
     model = p.add_argument_group("model")
@@ -189,6 +195,7 @@ def make_data(args, tokenizer, train_docs, eval_docs, seq_length):
         masked_lm_prob=args.masked_lm_prob,
         short_seq_prob=args.short_seq_prob,
         whole_word_mask=args.whole_word_mask,
+        sentence_task=args.sentence_task,
     )
     root = os.path.join(args.output_dir, f"data-{seq_length}")
     if process_index() == 0:  # the other processes read what it writes
@@ -287,7 +294,9 @@ def build_model(args, tokenizer, scope):
             **sizes,
         )
         preprocessor = kbert.BertPreprocessor(tokenizer, args.max_seq_length)
-        model = kbert.BertPreTrainer(backbone, preprocessor=preprocessor)
+        model = kbert.BertPreTrainer(
+            backbone, preprocessor=preprocessor, sentence_task=args.sentence_task
+        )
     return model
 
 
@@ -347,8 +356,8 @@ def plot(args):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     panels = (
-        (axes[0], "loss", ("loss", "mlm_loss", "nsp_loss")),
-        (axes[1], "accuracy", ("mlm_accuracy", "nsp_accuracy")),
+        (axes[0], "loss", ("loss", "mlm_loss", f"{args.sentence_task}_loss")),
+        (axes[1], "accuracy", ("mlm_accuracy", f"{args.sentence_task}_accuracy")),
     )
     for ax, title, keys in panels:
         for key, color in zip(keys, ("C0", "C1", "C2")):
@@ -429,7 +438,8 @@ def main(argv=None):
         print(
             f"[{phase}, seq {seq_length}] held-out masked-LM accuracy "
             f"{results['mlm_accuracy']:.3f} (chance {1 / tokenizer.vocabulary_size:.4f}), "
-            f"NSP accuracy {results['nsp_accuracy']:.3f} (chance 0.5)"
+            f"{args.sentence_task.upper()} accuracy "
+            f"{results[args.sentence_task + '_accuracy']:.3f} (chance 0.5)"
         )
 
     if process_index() != 0:

@@ -19,7 +19,7 @@ What makes N processes train as one device on the same global batch:
 - DDP's communication hook sums the gradients (DDP's own hook averages
   them), so every process holds the single-device gradient; global-norm
   clipping of it is then exact, and every process applies the same update;
-- metrics are reduced across processes when read (`global_logs`): the
+- metrics are reduced across processes when read (`global_metrics_result`): the
   metric variables (totals and counts) are summed, the results computed,
   and each process's own totals put back.
 Dropout masks differ between processes (torch's generator is offset by the
@@ -169,14 +169,15 @@ def loss_normalisation():
     yield share
 
 
-def global_logs(model):
+def global_metrics_result(model, local_result):
     """The model's metric results over all processes: each metric's
-    variables summed across processes, results computed, local values put
-    back (a collective: every process calls it at the same step)."""
+    variables summed across processes, `local_result()` (Keras'
+    `get_metrics_result`) computed on the sums, local values put back. A
+    collective: every process calls it at the same point."""
     variables = [v for metric in model.metrics for v in metric.variables]
     values = [v.value for v in variables]
     if not values:
-        return model.get_metrics_result()
+        return local_result()
     saved = [value.detach().clone() for value in values]
     flat = torch.cat([value.detach().reshape(-1).to(torch.float64) for value in values])
     flat = all_reduce_sum(flat).to(values[0].device)
@@ -187,7 +188,7 @@ def global_logs(model):
             value.copy_(flat[offset : offset + n].reshape(value.shape).to(value.dtype))
             offset += n
     try:
-        logs = model.get_metrics_result()
+        logs = local_result()
         logs = keras.tree.map_structure(
             lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, logs
         )

@@ -157,8 +157,8 @@ def _train_step(model, data):
             model.optimizer.apply(gradients, trainable_weights)
     else:
         warnings.warn("The model does not have any trainable weights.")
-    logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    return torch_ddp.global_logs(model) if distributed else logs
+    # (reduced across processes under torch-ddp: see Task.get_metrics_result)
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 class InPlaceCounter:

@@ -22,7 +22,7 @@ from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
 from kbert.utils import checks
 
 if backend.is_torch():
-    from kbert.backend import torch_step
+    from kbert.backend import torch_ddp, torch_step
 
 
 class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
@@ -402,6 +402,12 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             # Keras' loss and metric constants are made on the device.
             return torch_step.task_test_step(super().test_step, *args, **kwargs)
         return tf_backend.multi_worker_logs(self, super().test_step(*args, **kwargs))
+
+    def get_metrics_result(self):
+        if distribution.torch_ddp_active():
+            # every process's totals and counts, not process 0's alone
+            return torch_ddp.global_metrics_result(self, super().get_metrics_result)
+        return super().get_metrics_result()
 
     def compile_from_config(self, config):
         # Our compile only adds defaults, so a saved compile config replays as is.

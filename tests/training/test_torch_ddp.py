@@ -6,7 +6,8 @@ them asked to stop (SIGTERM), then restarted, must end where an
 uninterrupted one does.
 
 Each process runs `tests/training/multiprocess_worker.py --engine
-torch-ddp`: once under `torchrun` itself, otherwise started here with the
+torch-ddp` (pre-training) or `ddp_fit_worker.py` (a classifier's `fit` on
+raw text): once under `torchrun` itself, otherwise started here with the
 variables torchrun sets (so that each process's exit code and flags are
 its own). Every process feeds the same global `tf.data` batches and takes
 its half of each; the masked-LM loss is normalised over the global batch.
@@ -32,6 +33,7 @@ if keras.backend.backend() != "torch":
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 300  # seconds for one run of the processes on a busy CI machine
 WORKER = ["-m", "tests.training.multiprocess_worker"]
+FIT_WORKER = ["-m", "tests.training.ddp_fit_worker"]
 
 
 def _env(**more):
@@ -64,7 +66,7 @@ def _single(checkpoints, out, *flags):
     return _popen([sys.executable, *WORKER, str(checkpoints), str(out), *flags], _env())
 
 
-def _pair(checkpoints, out, *flags, second=()):
+def _pair(checkpoints, out, *flags, second=(), worker=WORKER):
     """Two processes of one run, started as torchrun would; `second`: flags
     for process 1 alone."""
     port = str(_free_port())
@@ -78,7 +80,8 @@ def _pair(checkpoints, out, *flags, second=()):
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
         )
-        command = [sys.executable, *WORKER, str(checkpoints), str(out), "--engine", "torch-ddp"]
+        paths = [str(checkpoints)] if checkpoints else []
+        command = [sys.executable, *worker, *paths, str(out), "--engine", "torch-ddp"]
         runs.append(_popen([*command, *flags, *(second if rank else ())], env))
     return runs
 
@@ -135,13 +138,32 @@ def runs(tmp_path_factory):
     started = [
         *_pair(root / "pair-clip", root / "pair-clip.npz", *flags["clip"]),
         _single(root / "single-clip", root / "single-clip.npz", *flags["clip"]),
+        *_pair(None, root / "fit-pair.npz", worker=FIT_WORKER),
+        _popen([sys.executable, *FIT_WORKER, str(root / "fit-single.npz")], _env()),
     ]
     codes, outputs = _run(started)
     for code, output in zip(codes, outputs):
         assert code == 0, output[-3000:]
     results = {name: _load(root / f"{name}.npz") for name in ("pair-free", "single-free")}
     results.update({name: _load(root / f"{name}.npz") for name in ("pair-clip", "single-clip")})
+    for name in ("fit-pair", "fit-single"):
+        with np.load(root / f"{name}.npz") as f:
+            count = sum(k.startswith("arr_") for k in f.files)
+            results[name] = {k: f[k] for k in f.files} | {"count": count}
     return flags, results
+
+
+@pytest.mark.large
+def test_task_fit_on_raw_text_equals_one_process(runs):
+    # Global batches of 3 split 2 + 1: each process's loss weighs by its rows.
+    _, results = runs
+    pair, single = results["fit-pair"], results["fit-single"]
+    assert (int(pair["processes"]), int(single["processes"])) == (2, 1)
+    for i in range(single["count"]):
+        np.testing.assert_allclose(pair[f"arr_{i}"], single[f"arr_{i}"], atol=1e-5, rtol=0)
+    # The logged loss and accuracy are over the global batch, not process 0's rows.
+    np.testing.assert_allclose(pair["loss"], single["loss"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(pair["accuracy"], single["accuracy"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.large

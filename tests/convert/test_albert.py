@@ -1,0 +1,89 @@
+"""Hugging Face ALBERT checkpoints load into ALBERT-style kbert backbones
+(factorized embeddings, one shared block) with transformers' outputs."""
+
+import json
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import kbert
+from kbert.presets import PresetError
+from tests import harness
+
+
+def _albert(tmp_path, cls, name, **kwargs):
+    config = transformers.AlbertConfig(
+        vocab_size=99,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=64,
+        initializer_range=0.2,  # larger than the default: differences show
+        **kwargs,
+    )
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    directory = tmp_path / name
+    model.save_pretrained(directory)
+    return model, directory
+
+
+def _torch_inputs(x):
+    return dict(
+        input_ids=torch.tensor(x["token_ids"]).long(),
+        token_type_ids=torch.tensor(x["segment_ids"]).long(),
+        attention_mask=torch.tensor(x["padding_mask"]).long(),
+    )
+
+
+@pytest.fixture(scope="module")
+def pretraining(tmp_path_factory):
+    return _albert(tmp_path_factory.mktemp("albert"), transformers.AlbertForPreTraining, "pt")
+
+
+def test_backbone_parity(pretraining):
+    hf, directory = pretraining
+    backbone = kbert.BertBackbone.from_preset(directory)
+    assert backbone.embedding_dim == 16 and backbone.share_layers
+    assert backbone.activation == "gelu_tanh"  # ALBERT's default gelu_new
+    assert backbone.dropout == 0.0 and backbone.num_layers == 3
+    x = harness.backbone_inputs(batch=4, length=12, vocabulary_size=99)
+    y = harness.to_numpy(backbone(x))
+    with torch.no_grad():
+        ref = hf.albert(**_torch_inputs(x))
+    mask = x["padding_mask"][..., None]
+    assert np.max(np.abs((y["sequence_output"] - ref.last_hidden_state.numpy()) * mask)) <= 1e-5
+    assert np.max(np.abs(y["pooled_output"] - ref.pooler_output.numpy())) <= 1e-5
+
+
+def test_pretraining_heads_parity(pretraining):
+    """The MLM head (H -> E, LayerNorm at E, decoder tied to the E-wide
+    table) and the SOP head; the SOP head is chosen from the checkpoint."""
+    hf, directory = pretraining
+    model = kbert.BertPreTrainer.from_preset(directory)
+    assert model.sentence_task == "sop"
+    x = harness.backbone_inputs(batch=4, length=12, vocabulary_size=99)
+    positions = np.array([[1, 2, 5]] * 4, "int32")
+    y = harness.to_numpy(model({**x, "mask_positions": positions}))
+    with torch.no_grad():
+        ref = hf(**_torch_inputs(x))
+    expected = np.take_along_axis(ref.prediction_logits.numpy(), positions[..., None], axis=1)
+    assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
+    assert np.max(np.abs(y["sop_logits"] - ref.sop_logits.numpy())) <= 1e-5
+
+
+def test_layer_groups_are_refused(tmp_path):
+    _, directory = _albert(tmp_path, transformers.AlbertModel, "groups", num_hidden_groups=3)
+    with pytest.raises(PresetError, match="num_hidden_groups=3"):
+        kbert.BertBackbone.from_preset(directory)
+    # Weights with a second group under a config that claims one group
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_hidden_groups": 1}))
+    with pytest.raises(PresetError, match="several ALBERT layer groups"):
+        kbert.BertBackbone.from_preset(directory)

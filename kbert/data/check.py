@@ -24,8 +24,10 @@ def load_arrays(directory_or_files, max_seq_length, max_predictions_per_seq):
     return {k: np.stack([r[k].numpy() for r in rows]) for k in spec}
 
 
-def statistics(arrays, cls_id, sep_id, mask_id, pad_id=0):
-    """The numbers the paper's recipe fixes, measured on generated examples."""
+def statistics(arrays, cls_id, sep_id, mask_id, pad_id=0, sentence_task="nsp"):
+    """The numbers the paper's recipe fixes, measured on generated examples
+    (the share of label 1 is `nsp_random_share`, or `sop_swapped_share` for
+    sentence-order data)."""
     ids, mask, seg = arrays["input_ids"], arrays["input_mask"], arrays["segment_ids"]
     pos, labels, weights = (
         arrays["masked_lm_positions"],
@@ -72,7 +74,9 @@ def statistics(arrays, cls_id, sep_id, mask_id, pad_id=0):
         "mask_share": float(replaced_mask.sum() / total),
         "random_share": float((real & ~replaced_mask & ~kept).sum() / total),
         "kept_share": float(kept.sum() / total),
-        "nsp_random_share": float(arrays["next_sentence_labels"].mean()),
+        ("sop_swapped_share" if sentence_task == "sop" else "nsp_random_share"): float(
+            arrays["next_sentence_labels"].mean()
+        ),
         "special_tokens_chosen": special_chosen,
         "padding_chosen": int((np.take_along_axis(mask, pos, 1) == 0)[real].sum()),
         "segment_errors": segment_errors,
@@ -87,4 +91,11 @@ def check_directory(directory):
     masking = manifest["masking"]
     arrays = load_arrays(directory, masking["max_seq_length"], masking["max_predictions_per_seq"])
     special = manifest["special_ids"]
-    return statistics(arrays, special["cls"], special["sep"], special["mask"], special["pad"])
+    return statistics(
+        arrays,
+        special["cls"],
+        special["sep"],
+        special["mask"],
+        special["pad"],
+        sentence_task=masking.get("sentence_task", "nsp"),
+    )

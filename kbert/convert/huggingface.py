@@ -500,7 +500,8 @@ HF_ARCHITECTURES = {
 
 
 def backbone_state_to_hf(backbone, prefix=""):
-    """kbert backbone weights -> Hugging Face BertModel names (numpy)."""
+    """kbert backbone weights -> Hugging Face BertModel names, or AlbertModel
+    names for a backbone with `embedding_dim` and `share_layers` (numpy)."""
     w = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in backbone.weights}
     h = backbone.hidden_dim
     out = {
@@ -509,36 +510,55 @@ def backbone_state_to_hf(backbone, prefix=""):
         "embeddings.position_embeddings.weight": w["embeddings/position_embeddings"],
         "embeddings.LayerNorm.weight": w["embeddings/layer_norm/gamma"],
         "embeddings.LayerNorm.bias": w["embeddings/layer_norm/beta"],
-        "pooler.dense.weight": w["pooler/dense/kernel"].T,
-        "pooler.dense.bias": w["pooler/dense/bias"],
     }
-    for i in range(backbone.num_layers):
-        ours, hf = f"transformer_layer_{i}/", f"encoder.layer.{i}."
+
+    def block(ours, hf, names):
         kernel, bias = w[ours + "self_attention/qkv/kernel"], w[ours + "self_attention/qkv/bias"]
-        for j, name in enumerate(("query", "key", "value")):
-            out[hf + f"attention.self.{name}.weight"] = kernel[:, j * h : (j + 1) * h].T
-            out[hf + f"attention.self.{name}.bias"] = bias[j * h : (j + 1) * h]
-        for theirs, mine in [
-            ("attention.output.dense", "self_attention/output"),
-            ("intermediate.dense", "intermediate_dense"),
-            ("output.dense", "output_dense"),
-        ]:
+        for j, name in enumerate(names["qkv"]):
+            out[hf + name + ".weight"] = kernel[:, j * h : (j + 1) * h].T
+            out[hf + name + ".bias"] = bias[j * h : (j + 1) * h]
+        for theirs, mine in names["dense"]:
             out[hf + theirs + ".weight"] = w[ours + mine + "/kernel"].T
             out[hf + theirs + ".bias"] = w[ours + mine + "/bias"]
-        for theirs, mine in [
-            ("attention.output.LayerNorm", "attention_layer_norm"),
-            ("output.LayerNorm", "output_layer_norm"),
-        ]:
+        for theirs, mine in names["layer_norm"]:
             out[hf + theirs + ".weight"] = w[ours + mine + "/gamma"]
             out[hf + theirs + ".bias"] = w[ours + mine + "/beta"]
+
+    if is_albert_style(backbone):
+        out[ALBERT_PROJECTION + ".weight"] = w["embeddings/projection/kernel"].T
+        out[ALBERT_PROJECTION + ".bias"] = w["embeddings/projection/bias"]
+        block(SHARED_LAYER, ALBERT_SHARED_BLOCK, ALBERT_BLOCK)
+        out["pooler.weight"] = w["pooler/dense/kernel"].T
+        out["pooler.bias"] = w["pooler/dense/bias"]
+    else:
+        for i in range(backbone.num_layers):
+            block(f"transformer_layer_{i}/", f"encoder.layer.{i}.", BERT_BLOCK)
+        out["pooler.dense.weight"] = w["pooler/dense/kernel"].T
+        out["pooler.dense.bias"] = w["pooler/dense/bias"]
     return {prefix + k: v for k, v in out.items()}
+
+
+def is_albert_style(backbone):
+    """Whether `backbone` has both ALBERT options (what an ALBERT checkpoint
+    holds); raises for one without the other, which neither format holds."""
+    if (backbone.embedding_dim is None) != (not backbone.share_layers):
+        raise ValueError(
+            f"the backbone has embedding_dim={backbone.embedding_dim} and "
+            f"share_layers={backbone.share_layers}: a Hugging Face BERT holds neither option, "
+            "a Hugging Face ALBERT both; save it as a kbert preset (save_to_preset) or a "
+            ".keras file instead"
+        )
+    return backbone.share_layers
 
 
 def export_to_huggingface(model, directory, preprocessor=None):
     """Writes a Hugging Face BERT directory that `transformers` loads with the
     matching `BertFor...` class: config.json, model.safetensors and, when the
     model has a preprocessor attached (or one is passed, as a backbone needs),
-    vocab.txt and tokenizer_config.json with its casing and rules.
+    vocab.txt and tokenizer_config.json with its casing and rules. A model
+    whose backbone has `embedding_dim` and `share_layers` is written as a
+    Hugging Face ALBERT (`AlbertModel`, `AlbertFor...`; a `BertPreTrainer`
+    then needs `sentence_task="sop"`).
 
     Args:
         model: a kbert BertBackbone or task model.
@@ -552,18 +572,23 @@ def export_to_huggingface(model, directory, preprocessor=None):
     if name not in HF_ARCHITECTURES:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
     backbone = model if name == "BertBackbone" else model.backbone
-    if backbone.embedding_dim is not None or backbone.share_layers:
+    albert = is_albert_style(backbone)
+    task = getattr(model, "sentence_task", None)
+    if name == "BertPreTrainer" and task != ("sop" if albert else "nsp"):
         raise ValueError(
-            f"this {name} has ALBERT options (embedding_dim={backbone.embedding_dim}, "
-            f"share_layers={backbone.share_layers}) that a Hugging Face BERT cannot hold; "
-            "save it as a kbert preset (save_to_preset) or a .keras file instead"
+            f"this BertPreTrainer predicts {task.upper()}, but "
+            + ("AlbertForPreTraining's head is SOP" if albert else "BertForPreTraining's is NSP")
+            + "; export its backbone, or save it as a kbert preset"
         )
     os.makedirs(directory, exist_ok=True)
-    prefix = "" if HF_ARCHITECTURES[name] == "BertModel" else "bert."
+    architecture = HF_ARCHITECTURES[name]
+    if albert:
+        architecture = architecture.replace("Bert", "Albert")
+    prefix = "" if architecture.endswith("Model") else ("albert." if albert else "bert.")
     state = backbone_state_to_hf(backbone, prefix)
     config = {
-        "architectures": [HF_ARCHITECTURES[name]],
-        "model_type": "bert",
+        "architectures": [architecture],
+        "model_type": "albert" if albert else "bert",
         "vocab_size": backbone.vocabulary_size,
         "hidden_size": backbone.hidden_dim,
         "num_hidden_layers": backbone.num_layers,
@@ -579,12 +604,29 @@ def export_to_huggingface(model, directory, preprocessor=None):
         "position_embedding_type": "absolute",
         "pad_token_id": 0,
     }
+    if albert:
+        config.update(embedding_size=backbone.embedding_dim, num_hidden_groups=1, inner_group_num=1)
     heads = (
         {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights}
         if name != "BertBackbone"
         else {}
     )
-    if name in ("BertPreTrainer", "BertMaskedLM"):
+    if name in ("BertPreTrainer", "BertMaskedLM") and albert:
+        state.update(
+            {
+                "predictions.dense.weight": heads["mlm_head/transform/kernel"].T,
+                "predictions.dense.bias": heads["mlm_head/transform/bias"],
+                "predictions.LayerNorm.weight": heads["mlm_head/layer_norm/gamma"],
+                "predictions.LayerNorm.bias": heads["mlm_head/layer_norm/beta"],
+                "predictions.bias": heads["mlm_head/output_bias"],
+            }
+        )
+        if name == "BertPreTrainer":
+            state["sop_classifier.classifier.weight"] = heads["sop_head/dense/kernel"].T
+            state["sop_classifier.classifier.bias"] = heads["sop_head/dense/bias"]
+        else:
+            state = {k: v for k, v in state.items() if not k.startswith("albert.pooler.")}
+    elif name in ("BertPreTrainer", "BertMaskedLM"):
         state.update(
             {
                 "cls.predictions.transform.dense.weight": heads["mlm_head/transform/kernel"].T,
@@ -616,7 +658,7 @@ def export_to_huggingface(model, directory, preprocessor=None):
         "BertTokenClassifier",
         "BertQuestionAnswerer",
     ):  # transformers builds these without a pooler
-        state = {k: v for k, v in state.items() if not k.startswith("bert.pooler.")}
+        state = {k: v for k, v in state.items() if not k.startswith(prefix + "pooler.")}
     save_file(
         {k: np.ascontiguousarray(v) for k, v in state.items()},
         os.path.join(directory, "model.safetensors"),

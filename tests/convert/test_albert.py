@@ -46,7 +46,7 @@ def pretraining(tmp_path_factory):
     return _albert(tmp_path_factory.mktemp("albert"), transformers.AlbertForPreTraining, "pt")
 
 
-def test_backbone_parity(pretraining):
+def test_backbone_parity_and_export(pretraining, tmp_path):
     hf, directory = pretraining
     backbone = kbert.BertBackbone.from_preset(directory)
     assert backbone.embedding_dim == 16 and backbone.share_layers
@@ -60,8 +60,15 @@ def test_backbone_parity(pretraining):
     assert np.max(np.abs((y["sequence_output"] - ref.last_hidden_state.numpy()) * mask)) <= 1e-5
     assert np.max(np.abs(y["pooled_output"] - ref.pooler_output.numpy())) <= 1e-5
 
+    kbert.convert.huggingface.export_to_huggingface(backbone, tmp_path / "out")
+    exported = transformers.AlbertModel.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        again = exported(**_torch_inputs(x))
+    assert np.max(np.abs(again.last_hidden_state.numpy() - ref.last_hidden_state.numpy())) == 0
+    assert np.max(np.abs(again.pooler_output.numpy() - ref.pooler_output.numpy())) == 0
 
-def test_pretraining_heads_parity(pretraining):
+
+def test_pretraining_heads_parity_and_export(pretraining, tmp_path):
     """The MLM head (H -> E, LayerNorm at E, decoder tied to the E-wide
     table) and the SOP head; the SOP head is chosen from the checkpoint."""
     hf, directory = pretraining
@@ -75,6 +82,13 @@ def test_pretraining_heads_parity(pretraining):
     expected = np.take_along_axis(ref.prediction_logits.numpy(), positions[..., None], axis=1)
     assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
     assert np.max(np.abs(y["sop_logits"] - ref.sop_logits.numpy())) <= 1e-5
+
+    kbert.convert.huggingface.export_to_huggingface(model, tmp_path / "out")
+    exported = transformers.AlbertForPreTraining.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        again = exported(**_torch_inputs(x))
+    assert np.array_equal(again.prediction_logits.numpy(), ref.prediction_logits.numpy())
+    assert np.array_equal(again.sop_logits.numpy(), ref.sop_logits.numpy())
 
 
 def test_layer_groups_are_refused(tmp_path):

@@ -55,7 +55,7 @@ def create_pretraining_data(
         tokenizer: `kbert.BertTokenizer`.
         output_dir: str. gets `<name>-<index>.tfrecord` files and `manifest.json`.
         masking: `MaskingConfig` (sequence length, predictions, probabilities,
-            whole-word masking).
+            whole-word masking, sentence task: NSP or ALBERT's SOP).
         dupe_factor: int. passes over each corpus, each with fresh masks.
         seed: int. same seed -> byte-identical output.
         format: str. corpus format ("lines", "prose", "wikitext").

@@ -160,8 +160,9 @@ def dynamic_pretraining_dataset(
     drop_remainder=True,
     skip_batches=0,
 ):
-    """Batches made on the fly from tokenized documents: fresh NSP pairs and
-    masks every epoch (epoch e uses seed + e), nothing written to disk.
+    """Batches made on the fly from tokenized documents: fresh sentence
+    pairs (NSP, or SOP with `MaskingConfig(sentence_task="sop")`) and masks
+    every epoch (epoch e uses seed + e), nothing written to disk.
 
     Args:
         documents: list of documents, each a list of sentence id lists

@@ -1,0 +1,143 @@
+"""Keras' `quantize` on kbert layers and models: which layers convert, the
+int8 arithmetic against a hand computation, save/reload of quantized models,
+and float8 training steps."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.backend import keras_internals
+from kbert.layers import Dense
+from kbert.layers.quantization import apply_quantization, quantized_layers
+from tests import harness
+from tests.harness import TINY
+
+TINY = {**TINY, "num_layers": 1}
+
+BLOCK_DENSES = ("self_attention/qkv", "self_attention/output", "intermediate_dense", "output_dense")
+BACKBONE_QUANTIZED = {
+    f"transformer_layer_{i}/{name}" for i in range(TINY["num_layers"]) for name in BLOCK_DENSES
+} | {"pooler/dense", "embeddings/segment_embedding"}
+# Leaf layers Keras' quantize passes over with a warning: nothing to
+# quantize, or (TokenEmbedding, tied to the MLM decoder) kept float.
+UNQUANTIZED = {"InputLayer", "Dropout", "Activation", "LayerNorm", "TokenEmbedding"}
+
+
+def quantize(model, mode):
+    """model.quantize(mode); returns the class names Keras warned about."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.quantize(mode)
+    suffix = " does not have a `quantize` method implemented."
+    return {
+        str(w.message)[len("Layer ") : -len(suffix)]
+        for w in caught
+        if str(w.message).endswith(suffix)
+    }
+
+
+def pretraining_inputs():
+    x = harness.backbone_inputs()
+    x["mask_positions"] = np.array([[1, 2], [0, 3], [1, 1]], "int32")
+    return x
+
+
+@pytest.fixture
+def classifier():
+    return kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=3)
+
+
+def test_int8_quantizes_every_dense_projection_of_a_classifier(classifier):
+    warned = quantize(classifier, "int8")
+    assert warned <= UNQUANTIZED and "Dense" not in warned
+    expected = BACKBONE_QUANTIZED | {"logits"}
+    assert len(expected) == 4 * TINY["num_layers"] + 3
+    assert quantized_layers(classifier) == {path: "int8_from_float32" for path in expected}
+    for path in expected:  # the kernels themselves are int8 now
+        layer = next(x for x in keras_internals.flatten_layers(classifier) if x.path == path)
+        table = layer._embeddings if path.startswith("embeddings/") else layer._kernel
+        assert keras.backend.standardize_dtype(table.dtype) == "int8"
+
+
+def test_int8_pretrainer_heads_and_preset_reload(tmp_path):
+    model = kbert.BertPreTrainer(kbert.BertBackbone(**TINY))
+    x = pretraining_inputs()
+    quantize(model, "int8")
+    expected = BACKBONE_QUANTIZED | {"mlm_head/transform", "nsp_head/dense"}
+    assert set(quantized_layers(model)) == expected
+    # the backbone records its own layers, the task only its heads
+    assert set(quantized_layers(model, exclude=[model.backbone])) == {
+        "mlm_head/transform",
+        "nsp_head/dense",
+    }
+    before = model(x)
+    model.save_to_preset(tmp_path / "preset")
+    again = kbert.BertPreTrainer.from_preset(tmp_path / "preset")
+    assert quantized_layers(again) == quantized_layers(model)
+    assert harness.max_abs_diff(again(x), before) == 0.0
+
+
+def test_int8_dense_matches_a_hand_computed_product():
+    rng = np.random.default_rng(0)
+    kernel = rng.normal(size=(6, 4)).astype("float32")
+    bias = rng.normal(size=(4,)).astype("float32")
+    x = rng.normal(size=(3, 6)).astype("float32")
+    layer = Dense(4)
+    layer.build((None, 6))
+    layer.set_weights([kernel, bias])
+    layer.quantize("int8")
+
+    # Keras' abs-max scheme: the kernel per output channel (column), the
+    # inputs per row, both to [-127, 127]; the int32 product is rescaled.
+    kernel_scale = 127.0 / (np.abs(kernel).max(axis=0) + 1e-7)
+    kernel_q = np.clip(np.round(kernel * kernel_scale), -127, 127)
+    x_scale = 127.0 / (np.abs(x).max(axis=-1, keepdims=True) + 1e-7)
+    x_q = np.clip(np.round(x * x_scale), -127, 127)
+    expected = (x_q @ kernel_q) / (x_scale * kernel_scale) + bias
+
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(layer._kernel), kernel_q)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(layer(x)), expected, rtol=1e-5)
+    # kbert's torch encoder calls `call` directly: the same quantized product
+    direct = keras.ops.convert_to_numpy(layer.call(keras.ops.convert_to_tensor(x)))
+    np.testing.assert_allclose(direct, expected, rtol=1e-5)
+    # and it approximates the float product to int8 precision
+    assert np.abs(expected - (x @ kernel + bias)).max() < 0.05
+
+
+def test_quantized_classifier_keras_file_and_preset_reload_identically(classifier, tmp_path):
+    x = harness.backbone_inputs()
+    quantize(classifier, "int8")
+    before = harness.to_numpy(classifier(x))
+    classifier.save(tmp_path / "model.keras")
+    restored = keras.saving.load_model(tmp_path / "model.keras")
+    assert quantized_layers(restored) == quantized_layers(classifier)
+    np.testing.assert_array_equal(harness.to_numpy(restored(x)), before)
+
+    classifier.save_to_preset(tmp_path / "preset")
+    again = kbert.BertClassifier.from_preset(tmp_path / "preset")
+    assert quantized_layers(again) == quantized_layers(classifier)
+    np.testing.assert_array_equal(harness.to_numpy(again(x)), before)
+
+
+def test_a_config_naming_a_layer_the_model_lacks_is_refused():
+    backbone = kbert.BertBackbone(**TINY)
+    with pytest.raises(ValueError, match="transformer_layer_7/output_dense"):
+        apply_quantization(backbone, {"transformer_layer_7/output_dense": "int8_from_float32"})
+    with pytest.raises(ValueError, match="float policy"):
+        apply_quantization(backbone, {"pooler/dense": "float32"})
+
+
+def test_float8_fit_steps_are_finite_and_update_the_scales(classifier):
+    quantize(classifier, "float8")
+    assert set(quantized_layers(classifier).values()) == {"float8_from_float32"}
+    classifier.compile(learning_rate=1e-3)
+    x = harness.backbone_inputs(batch=4)
+    history = classifier.fit(x, np.array([0, 1, 2, 0]), batch_size=2, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    # delayed scaling ran inside the encoder: the input amax history holds
+    # the steps' maxima instead of its zero initialisation
+    dense = classifier.backbone.get_layer("transformer_layer_0").intermediate_dense
+    assert keras.ops.convert_to_numpy(dense.inputs_amax_history)[0] > 0

@@ -80,6 +80,7 @@ def test_int8_pretrainer_heads_and_preset_reload(tmp_path):
     assert harness.max_abs_diff(again(x), before) == 0.0
 
 
+@pytest.mark.smoke  # also on the oldest supported Keras
 def test_int8_dense_matches_a_hand_computed_product():
     rng = np.random.default_rng(0)
     kernel = rng.normal(size=(6, 4)).astype("float32")

@@ -15,14 +15,15 @@ from tests import harness
 
 
 def _albert(tmp_path, cls, name, **kwargs):
+    # The sizes of tests/models/test_albert.py (JAX reuses its compiled ops).
     config = transformers.AlbertConfig(
-        vocab_size=99,
-        embedding_size=16,
+        vocab_size=97,
+        embedding_size=8,
         hidden_size=32,
-        num_hidden_layers=3,
+        num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=37,
-        max_position_embeddings=64,
+        max_position_embeddings=24,
         initializer_range=0.2,  # larger than the default: differences show
         **kwargs,
     )
@@ -49,10 +50,10 @@ def pretraining(tmp_path_factory):
 def test_backbone_parity_and_export(pretraining, tmp_path):
     hf, directory = pretraining
     backbone = kbert.BertBackbone.from_preset(directory)
-    assert backbone.embedding_dim == 16 and backbone.share_layers
+    assert backbone.embedding_dim == 8 and backbone.share_layers
     assert backbone.activation == "gelu_tanh"  # ALBERT's default gelu_new
-    assert backbone.dropout == 0.0 and backbone.num_layers == 3
-    x = harness.backbone_inputs(batch=4, length=12, vocabulary_size=99)
+    assert backbone.dropout == 0.0 and backbone.num_layers == 2
+    x = harness.backbone_inputs()
     y = harness.to_numpy(backbone(x))
     with torch.no_grad():
         ref = hf.albert(**_torch_inputs(x))
@@ -74,8 +75,8 @@ def test_pretraining_heads_parity_and_export(pretraining, tmp_path):
     hf, directory = pretraining
     model = kbert.BertPreTrainer.from_preset(directory)
     assert model.sentence_task == "sop"
-    x = harness.backbone_inputs(batch=4, length=12, vocabulary_size=99)
-    positions = np.array([[1, 2, 5]] * 4, "int32")
+    x = harness.backbone_inputs()
+    positions = np.array([[1, 2], [1, 3], [2, 0]], "int32")
     y = harness.to_numpy(model({**x, "mask_positions": positions}))
     with torch.no_grad():
         ref = hf(**_torch_inputs(x))
@@ -92,8 +93,8 @@ def test_pretraining_heads_parity_and_export(pretraining, tmp_path):
 
 
 def test_layer_groups_are_refused(tmp_path):
-    _, directory = _albert(tmp_path, transformers.AlbertModel, "groups", num_hidden_groups=3)
-    with pytest.raises(PresetError, match="num_hidden_groups=3"):
+    _, directory = _albert(tmp_path, transformers.AlbertModel, "groups", num_hidden_groups=2)
+    with pytest.raises(PresetError, match="num_hidden_groups=2"):
         kbert.BertBackbone.from_preset(directory)
     # Weights with a second group under a config that claims one group
     config_path = directory / "config.json"

@@ -164,6 +164,34 @@ class _Forward(keras.layers.Layer):
     def run(self, inputs, training):
         return forward(self.model, inputs, self.hidden_layers, self.score_layers, training)
 
+    def compute_output_spec(self, inputs, training=None):
+        # From shapes: tracing `forward` on placeholder tensors would exceed
+        # the backbone's max_sequence_length on some backends.
+        model = self.model
+        backbone = _backbone_of(model)
+        batch, length = inputs["token_ids"].shape
+        dtype = backbone.get_layer("embeddings").compute_dtype
+        spec = {
+            f"hidden_{i}": keras.KerasTensor((batch, length, backbone.hidden_dim), dtype=dtype)
+            for i in self.hidden_layers
+        }
+        for i in self.score_layers:
+            shape = (batch, backbone.num_heads, length, length)
+            spec[f"scores_{i}"] = keras.KerasTensor(shape, dtype="float32")
+        family = _family(model, "model")
+        shapes = {
+            "mlm": (batch, inputs.get("mask_positions", inputs["token_ids"]).shape[1]),
+            "sequence": (batch,),
+            "token": (batch, length),
+            "span": (batch, 2, length),
+        }
+        if family in shapes:
+            classes = {"mlm": backbone.vocabulary_size, "span": None}
+            last = classes.get(family, getattr(model, "num_classes", None))
+            shape = shapes[family] + ((last,) if last else ())
+            spec["logits"] = keras.KerasTensor(shape, dtype="float32")
+        return spec
+
     def get_config(self):
         config = super().get_config()
         config.update(
@@ -197,6 +225,11 @@ class FrozenForward(_Forward):
     def __init__(self, model, hidden_layers=(), score_layers=(), **kwargs):
         super().__init__(model, hidden_layers, score_layers, **kwargs)
         self.model.trainable = False
+        # A model rebuilt from its config can keep sublayer variables marked
+        # trainable (seen on TensorFlow), and a parent model collects
+        # trainable weights by that mark.
+        for variable in self.model.weights:
+            variable.trainable = False
 
     def call(self, inputs):
         return {k: ops.stop_gradient(v) for k, v in self.run(inputs, False).items()}

@@ -102,3 +102,23 @@ def test_layer_groups_are_refused(tmp_path):
     config_path.write_text(json.dumps({**config, "num_hidden_groups": 1}))
     with pytest.raises(PresetError, match="several ALBERT layer groups"):
         kbert.BertBackbone.from_preset(directory)
+
+
+def test_masked_lm_and_classifier_heads(tmp_path):
+    x = harness.backbone_inputs()
+    hf, directory = _albert(tmp_path, transformers.AlbertForMaskedLM, "mlm")
+    positions = np.array([[1, 2], [1, 3], [2, 0]], "int32")
+    y = harness.to_numpy(
+        kbert.BertMaskedLM.from_preset(directory)({**x, "mask_positions": positions})
+    )
+    with torch.no_grad():
+        ref = hf(**_torch_inputs(x)).logits.numpy()
+    expected = np.take_along_axis(ref, positions[..., None], axis=1)
+    assert np.max(np.abs(y["mlm_logits"] - expected)) <= 1e-5
+
+    cls = transformers.AlbertForSequenceClassification
+    hf, directory = _albert(tmp_path, cls, "classifier", num_labels=3)
+    y = harness.to_numpy(kbert.BertClassifier.from_preset(directory, num_classes=3)(x))
+    with torch.no_grad():
+        ref = hf(**_torch_inputs(x)).logits.numpy()
+    assert np.max(np.abs(y - ref)) <= 1e-5

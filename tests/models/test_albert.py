@@ -12,7 +12,7 @@ import pytest
 
 import kbert
 from kbert.presets import PresetError
-from kbert.presets.architectures import parameter_count
+from kbert.presets.architectures import check_backbone_config, parameter_count
 from tests import harness
 
 ALBERT = dict(harness.TINY, embedding_dim=8, share_layers=True)
@@ -184,6 +184,13 @@ def test_bad_options_raise(albert):
         kbert.BertPreTrainer(albert, sentence_task="order")
     with pytest.raises(ValueError, match="BertMaskedLM trains no sentence task"):
         kbert.BertMaskedLM(albert, sentence_task="sop")
+    for overrides, message in [
+        ({"share_layers": "yes"}, "share_layers must be true or false"),
+        ({"embedding_dim": 0}, "embedding_dim must be a positive integer"),
+        ({"embedding_dim": 1 << 20}, "embedding_dim=1048576 is beyond any BERT"),
+    ]:
+        with pytest.raises(PresetError, match=message):
+            check_backbone_config({**ALBERT, **overrides}, "config.json")
     one_option = types.SimpleNamespace(embedding_dim=8, share_layers=False)
     with pytest.raises(ValueError, match="a Hugging Face BERT holds neither option"):
         kbert.convert.huggingface.is_albert_style(one_option)

@@ -30,6 +30,7 @@ def create_pretraining_data(args):
         masked_lm_prob=args.masked_lm_prob,
         short_seq_prob=args.short_seq_prob,
         whole_word_mask=args.whole_word_mask,
+        sentence_task=args.sentence_task,
     )
     create_data(
         args.input,

@@ -70,6 +70,12 @@ def build_parser():
     create.add_argument("--short-seq-prob", type=float, default=0.1)
     create.add_argument("--seed", type=int, default=12345)
     create.add_argument("--whole-word-mask", action="store_true")
+    create.add_argument(
+        "--sentence-task",
+        default="nsp",
+        choices=["nsp", "sop"],
+        help="next sentence prediction (BERT) or sentence-order prediction (ALBERT)",
+    )
     create.add_argument("--workers", type=int, default=None)
 
     convert = commands.add_parser("convert", help="kbert preset <-> Hugging Face directory")

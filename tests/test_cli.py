@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
@@ -95,3 +96,26 @@ def test_convert_both_ways_through_the_command(tmp_path, capsys):
 def test_command_errors_name_the_command(tmp_path, capsys):
     assert kbert_cli.main(["convert", str(tmp_path / "missing"), str(tmp_path / "x")]) == 2
     assert "kbert convert: error:" in capsys.readouterr().err
+
+
+def test_create_pretraining_data_with_sentence_order(tmp_path, capsys):
+    pytest.importorskip("tensorflow")
+    if keras.backend.backend() != "jax":
+        pytest.skip("data creation is backend-independent: checked in the jax pass")
+    corpus = tmp_path / "corpus.txt"
+    with open(os.path.join(ROOT, "examples", "data", "wikitext-2-valid.tokens.txt")) as f:
+        corpus.write_text("".join(f.readlines()[:120]))
+    vocab = tmp_path / "vocab.txt"
+    words = sorted(set(corpus.read_text().lower().split()))
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    out = tmp_path / "data"
+    command = ["create-pretraining-data", "--input", str(corpus), "--vocab", str(vocab)]
+    command += ["--output", str(out), "--format", "wikitext", "--max-seq-length", "32"]
+    assert kbert_cli.main([*command, "--dupe-factor", "2", "--sentence-task", "sop"]) == 0
+    capsys.readouterr()
+    assert kbert_cli.main(["check-pretraining-data", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(printed[printed.index("{") :])
+    assert "sop_swapped_share" in json.dumps(report) and "nsp_random_share" not in json.dumps(
+        report
+    )

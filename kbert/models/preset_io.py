@@ -36,6 +36,9 @@ HF_ARCHITECTURE_CLASSES = {
     "BertForTokenClassification": "BertTokenClassifier",
     "BertForQuestionAnswering": "BertQuestionAnswerer",
     "BertForMultipleChoice": "BertMultipleChoice",
+    "AlbertForPreTraining": "BertPreTrainer",
+    "AlbertForMaskedLM": "BertMaskedLM",
+    "AlbertForSequenceClassification": "BertClassifier",
 }
 TASK_WEIGHTS_FILE = "task.safetensors"
 # from_preset keyword arguments that go to the backbone

@@ -153,14 +153,14 @@ def main(argv=None):
     )
     steps = args.distill_epochs * -(-len(chunks) // args.distill_batch_size)
     distiller.compile(learning_rate=args.distill_learning_rate, num_train_steps=steps)
-    held_out = {k: v[:256] for k, v in corpus_x.items()}  # losses before and after
-    before = distiller.evaluate(held_out, batch_size=64, verbose=0, return_dict=True)
+    probe = {k: v[:256] for k, v in corpus_x.items()}  # losses before and after (train chunks)
+    before = distiller.evaluate(probe, batch_size=64, verbose=0, return_dict=True)
     start = time.time()
     history = distiller.fit(
         corpus_x, epochs=args.distill_epochs, batch_size=args.distill_batch_size, verbose=2
     )
     distill_seconds = time.time() - start
-    after = distiller.evaluate(held_out, batch_size=64, verbose=0, return_dict=True)
+    after = distiller.evaluate(probe, batch_size=64, verbose=0, return_dict=True)
     distilled_weights = [np.array(w) for w in student.get_weights()]
     changed = max(
         float(np.max(np.abs(a - b))) for a, b in zip(teacher_weights, teacher.get_weights())

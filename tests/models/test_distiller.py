@@ -1,0 +1,251 @@
+import math
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.models.distiller import student_from_teacher
+from kbert.training import distillation
+from tests import harness
+
+SMALL = dict(
+    vocabulary_size=50,
+    num_layers=2,
+    num_heads=2,
+    hidden_dim=16,
+    intermediate_dim=24,
+    max_sequence_length=16,
+)
+
+
+def value(tensor):
+    return float(keras.ops.convert_to_numpy(tensor))
+
+
+def np_log_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+# --- the losses, against hand-computed values ------------------------------
+
+
+def test_soft_target_loss_hand_computed():
+    teacher = np.array([[0.0, math.log(3.0)], [1.0, 1.0]], "float32")
+    student = np.array([[0.0, 0.0], [5.0, -5.0]], "float32")
+    # row 0 at T = 1: p = (1/4, 3/4), q = (1/2, 1/2);
+    # KL = 1/4 log(1/2) + 3/4 log(3/2); row 1 has weight 0
+    expected = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    got = distillation.soft_target_loss(teacher, student, 1.0, np.array([1.0, 0.0]))
+    assert abs(value(got) - expected / (1 + 1e-5)) < 1e-6
+    # T = 2 divides the logits and scales by T^2 = 4
+    p = np.exp(np_log_softmax(teacher / 2))
+    kl = (p * (np_log_softmax(teacher / 2) - np_log_softmax(student / 2))).sum(-1)
+    got = distillation.soft_target_loss(teacher, student, 2.0)
+    assert abs(value(got) - 4 * kl.sum() / (2 + 1e-5)) < 1e-5
+    assert abs(value(distillation.soft_target_loss(teacher, teacher, 3.0))) < 1e-6
+
+
+def test_cosine_and_hidden_losses_hand_computed():
+    teacher = np.array([[[1.0, 0.0], [0.0, 2.0], [5.0, 5.0]]], "float32")
+    student = np.array([[[3.0, 0.0], [1.0, 0.0], [0.0, 0.0]]], "float32")
+    mask = np.array([[1, 1, 0]], "int32")  # the last token is padding
+    # cos = 1 and 0 on the real tokens
+    assert abs(value(distillation.cosine_loss(teacher, student, mask)) - 1 / (2 + 1e-5)) < 1e-6
+    # squared differences: (4 + 0) / 2 and (1 + 4) / 2 per token
+    expected = (2.0 + 2.5) / (2 + 1e-5)
+    assert abs(value(distillation.hidden_state_mse(teacher, student, mask)) - expected) < 1e-6
+
+
+def test_attention_score_mse_hand_computed():
+    teacher = np.zeros((1, 1, 2, 2), "float32")
+    student = np.array([[[[1.0, 2.0], [3.0, 4.0]]]], "float32")
+    # only the (0, 0) pair has two real tokens
+    got = distillation.attention_score_mse(teacher, student, np.array([[1, 0]]))
+    assert abs(value(got) - 1 / (1 + 1e-5)) < 1e-6
+    got = distillation.attention_score_mse(teacher, student, np.array([[1, 1]]))
+    assert abs(value(got) - 30 / (4 + 1e-5)) < 1e-5
+
+
+def test_default_layer_map():
+    assert distillation.default_layer_map(6, 3) == [2, 4, 6]
+    assert distillation.default_layer_map(4, 3) == [1, 2, 4]
+
+
+# --- the student from the teacher ------------------------------------------
+
+
+def test_student_from_teacher_copies_the_chosen_blocks():
+    teacher = kbert.BertBackbone(**{**SMALL, "num_layers": 3})
+    student = student_from_teacher(teacher, layers=[0, 2])
+    assert student.num_layers == 2 and student.hidden_dim == teacher.hidden_dim
+    pairs = [("embeddings", "embeddings"), ("pooler", "pooler")]
+    pairs += [("transformer_layer_0", "transformer_layer_0")]
+    pairs += [("transformer_layer_1", "transformer_layer_2")]
+    for s, t in pairs:
+        for a, b in zip(student.get_layer(s).get_weights(), teacher.get_layer(t).get_weights()):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="blocks 0..2"):
+        student_from_teacher(teacher, layers=[0, 3])
+    with pytest.raises(ValueError, match="non-empty"):
+        student_from_teacher(teacher, layers=[])
+
+
+# --- the distiller -------------------------------------------------------
+
+
+def weights_of(model):
+    return [np.array(keras.ops.convert_to_numpy(w)) for w in model.weights]
+
+
+def test_pretraining_distillation_fit_trains_the_student_only(tmp_path):
+    teacher = kbert.BertMaskedLM(kbert.BertBackbone(**SMALL))
+    student = kbert.BertMaskedLM(student_from_teacher(teacher.backbone, layers=[1]))
+    distiller = kbert.BertDistiller(teacher, student, alpha_hidden=1.0, alpha_attention=1.0)
+    x = harness.backbone_inputs(4, 8, SMALL["vocabulary_size"])
+    x["mask_positions"] = np.array([[1, 2]] * 4, "int32")
+    y = {
+        "mask_ids": np.array([[3, 4]] * 4, "int32"),
+        "mask_weights": np.array([[1, 1], [1, 0], [1, 1], [1, 0]], "float32"),
+    }
+    teacher_before, student_before = weights_of(teacher), weights_of(student)
+    distiller.compile(learning_rate=1e-2)
+    history = distiller.fit(x, y, batch_size=2, epochs=1, verbose=0).history
+    for name in ("ce_loss", "mlm_loss", "cos_loss", "hidden_loss", "attention_loss", "loss"):
+        assert np.isfinite(history[name][0]), name
+    assert all(np.array_equal(a, b) for a, b in zip(teacher_before, weights_of(teacher)))
+    changed = [not np.array_equal(a, b) for a, b in zip(student_before, weights_of(student))]
+    assert sum(changed) >= len(changed) // 2
+
+    # the teacher runs without dropout even when the distiller trains
+    trained = distiller(x, training=True)
+    inferred = distiller(x, training=False)
+    assert harness.max_abs_diff(trained["teacher_logits"], inferred["teacher_logits"]) == 0.0
+    assert harness.max_abs_diff(trained["student_logits"], inferred["student_logits"]) > 0.0
+
+    # .keras round trip: the same outputs, and still only the student trains
+    distiller.save(tmp_path / "distiller.keras")
+    loaded = keras.saving.load_model(tmp_path / "distiller.keras")
+    assert harness.max_abs_diff(inferred, loaded(x, training=False)) <= 1e-6
+    assert len(loaded.trainable_weights) == len(distiller.trainable_weights)
+    assert len(loaded.optimizer.variables) == len(distiller.optimizer.variables)
+
+
+def test_task_distillation_losses_match_numpy():
+    """Every reported loss against NumPy on the distiller's own outputs, with
+    a narrower student (a learned projection) and a hard label loss."""
+    teacher = kbert.BertClassifier(kbert.BertBackbone(**SMALL), num_classes=3)
+    student = kbert.BertClassifier(
+        kbert.BertBackbone(**{**SMALL, "num_layers": 1, "hidden_dim": 8, "intermediate_dim": 8}),
+        num_classes=3,
+    )
+    distiller = kbert.BertDistiller(
+        teacher,
+        student,
+        temperature=3.0,
+        alpha_ce=0.5,
+        alpha_task=0.5,
+        alpha_cos=0.25,
+        alpha_hidden=2.0,
+    )
+    assert distiller.layer_map == [2]
+    x = harness.backbone_inputs(3, 6, SMALL["vocabulary_size"])
+    labels = np.array([0, 2, 1])
+    distiller.compile()
+    outputs = distiller(x, training=False)
+    total = value(distiller.compute_loss(x, labels, outputs))
+    logs = {m.name: value(m.result()) for m in distiller.metrics if m.name.endswith("_loss")}
+    logs["loss"] = total
+
+    out = harness.to_numpy(outputs)
+    assert out["student_hidden_1"].shape == (3, 6, 16)  # projected to the teacher's width
+    mask = x["padding_mask"].astype("float64")
+    t, s = out["teacher_logits"] / 3.0, out["student_logits"] / 3.0
+    ce = (np.exp(np_log_softmax(t)) * (np_log_softmax(t) - np_log_softmax(s))).sum(-1)
+    expected = {"ce_loss": 9.0 * ce.sum() / (3 + 1e-5)}
+    expected["task_loss"] = -np_log_softmax(out["student_logits"])[np.arange(3), labels].mean()
+
+    def cos(a, b):
+        return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+    real = mask.sum() + 1e-5
+    last_t, last_s = out["teacher_hidden_2"], out["student_hidden_1"]
+    expected["cos_loss"] = ((1 - cos(last_t, last_s)) * mask).sum() / real
+    expected["hidden_loss"] = sum(
+        (((out[f"teacher_hidden_{t}"] - out[f"student_hidden_{s}"]) ** 2).mean(-1) * mask).sum()
+        / real
+        for s, t in [(0, 0), (1, 2)]
+    )
+    expected["loss"] = sum(
+        w * expected[f"{k}_loss"]
+        for k, w in [("ce", 0.5), ("task", 0.5), ("cos", 0.25), ("hidden", 2.0)]
+    )
+    for name, number in expected.items():
+        assert abs(logs[name] - number) <= 1e-4 * max(1.0, abs(number)), name
+
+
+def test_token_and_span_distillation_losses():
+    x = harness.backbone_inputs(2, 5, SMALL["vocabulary_size"])
+    for cls, kwargs, y in [
+        (
+            kbert.BertTokenClassifier,
+            {"num_classes": 3},
+            np.array([[0, 1, 2, 0, 1], [2, 1, 0, 0, 0]]),
+        ),
+        (
+            kbert.BertQuestionAnswerer,
+            {},
+            {"start_positions": np.array([1, 0]), "end_positions": np.array([2, 1])},
+        ),
+    ]:
+        teacher = cls(kbert.BertBackbone(**SMALL), **kwargs)
+        student = cls(student_from_teacher(teacher.backbone, layers=[1]), **kwargs)
+        distiller = kbert.BertDistiller(teacher, student, alpha_cos=0.0)
+        out = distiller(x, training=False)
+        terms = harness.to_numpy(distiller.distillation_losses(x, y, out))
+        logits = harness.to_numpy(out)
+        t, s = logits["teacher_logits"] / 2.0, logits["student_logits"] / 2.0
+        kl = (np.exp(np_log_softmax(t)) * (np_log_softmax(t) - np_log_softmax(s))).sum(-1)
+        if cls is kbert.BertTokenClassifier:
+            mask = x["padding_mask"]
+            expected_ce = 4.0 * (kl * mask).sum() / (mask.sum() + 1e-5)
+        else:
+            assert logits["student_logits"].shape == (2, 2, 5)  # start, end over tokens
+            expected_ce = 4.0 * kl.sum() / (kl.size + 1e-5)
+        assert abs(float(terms["ce"]) - expected_ce) < 1e-4, cls.__name__
+        assert np.isfinite(float(terms["task"]))
+
+
+def test_bad_arguments_are_named():
+    backbone = kbert.BertBackbone(**SMALL)
+    classifier = kbert.BertClassifier(kbert.BertBackbone(**SMALL), num_classes=2)
+    with pytest.raises(ValueError, match="one kind"):
+        kbert.BertDistiller(classifier, backbone)
+    with pytest.raises(ValueError, match="vocabulary"):
+        kbert.BertDistiller(backbone, kbert.BertBackbone(**{**SMALL, "vocabulary_size": 40}))
+    with pytest.raises(ValueError, match="num_classes"):
+        kbert.BertDistiller(classifier, kbert.BertClassifier(backbone, num_classes=3))
+    with pytest.raises(ValueError, match="layer_map"):
+        kbert.BertDistiller(backbone, student_from_teacher(backbone, [0]), layer_map=[3])
+    with pytest.raises(ValueError, match="heads"):
+        kbert.BertDistiller(
+            backbone, kbert.BertBackbone(**{**SMALL, "num_heads": 4}), alpha_attention=1.0
+        )
+    with pytest.raises(ValueError, match="no loss applies"):
+        kbert.BertDistiller(backbone, student_from_teacher(backbone, [0]), alpha_cos=0.0)
+    distiller = kbert.BertDistiller(
+        classifier, kbert.BertClassifier(student_from_teacher(backbone, [0]), num_classes=2)
+    )
+    x = harness.backbone_inputs(2, 5, SMALL["vocabulary_size"])
+    with pytest.raises(ValueError, match="alpha_task=0"):
+        distiller.distillation_losses(x, None, distiller(x))
+
+
+def test_config_round_trip():
+    teacher = kbert.BertBackbone(**SMALL)
+    distiller = kbert.BertDistiller(
+        teacher, student_from_teacher(teacher, [1]), alpha_hidden=1.0, layer_map=[1]
+    )
+    clone = harness.check_config_round_trip(distiller)
+    assert clone.layer_map == [1] and clone.active == {"cos": 1.0, "hidden": 1.0}

@@ -118,18 +118,19 @@ def test_pretraining_distillation_fit_trains_the_student_only(tmp_path):
     changed = [not np.array_equal(a, b) for a, b in zip(student_before, weights_of(student))]
     assert sum(changed) >= len(changed) // 2
 
-    # the teacher runs without dropout even when the distiller trains
-    trained = distiller(x, training=True)
-    inferred = distiller(x, training=False)
-    assert harness.max_abs_diff(trained["teacher_logits"], inferred["teacher_logits"]) == 0.0
-    assert harness.max_abs_diff(trained["student_logits"], inferred["student_logits"]) > 0.0
-
     # .keras round trip: the same outputs, and still only the student trains
     distiller.save(tmp_path / "distiller.keras")
     loaded = keras.saving.load_model(tmp_path / "distiller.keras")
-    assert harness.max_abs_diff(inferred, loaded(x, training=False)) <= 1e-6
+    assert [w.path for w in loaded.weights] == [w.path for w in distiller.weights]
+    assert harness.max_abs_diff(loaded.weights, distiller.weights) == 0.0
+    inferred = loaded(x, training=False)
     assert len(loaded.trainable_weights) == len(distiller.trainable_weights)
     assert len(loaded.optimizer.variables) == len(distiller.optimizer.variables)
+
+    # the teacher runs without dropout even when the distiller trains
+    trained = distiller(x, training=True)
+    assert harness.max_abs_diff(trained["teacher_logits"], inferred["teacher_logits"]) <= 1e-6
+    assert harness.max_abs_diff(trained["student_logits"], inferred["student_logits"]) > 1e-3
 
 
 def test_task_distillation_losses_match_numpy():

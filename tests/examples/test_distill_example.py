@@ -2,11 +2,18 @@
 
 import json
 
+import keras
+import pytest
+
 import kbert
 
 from .helpers import load_example
 
 
+# The script is backend-agnostic plumbing (text -> inputs -> fit -> preset);
+# tests/models/test_distiller.py covers the distiller on every backend. One
+# run, on the backend where it is quickest (JAX compiles fit and evaluate).
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="runs once, under torch")
 def test_distill_example_saves_a_student_preset(tmp_path, tiny_preset):
     teacher = kbert.BertBackbone.from_preset(tiny_preset)
     result = load_example("distill").main(

@@ -151,8 +151,8 @@ def test_task_distillation_losses_match_numpy():
         alpha_hidden=2.0,
     )
     assert distiller.layer_map == [2]
-    x = harness.backbone_inputs(3, 6, SMALL["vocabulary_size"])
-    labels = np.array([0, 2, 1])
+    x = harness.backbone_inputs(4, 8, SMALL["vocabulary_size"])
+    labels = np.array([0, 2, 1, 1])
     distiller.compile()
     outputs = distiller(x, training=False)
     total = value(distiller.compute_loss(x, labels, outputs))
@@ -160,12 +160,12 @@ def test_task_distillation_losses_match_numpy():
     logs["loss"] = total
 
     out = harness.to_numpy(outputs)
-    assert out["student_hidden_1"].shape == (3, 6, 16)  # projected to the teacher's width
+    assert out["student_hidden_1"].shape == (4, 8, 16)  # projected to the teacher's width
     mask = x["padding_mask"].astype("float64")
     t, s = out["teacher_logits"] / 3.0, out["student_logits"] / 3.0
     ce = (np.exp(np_log_softmax(t)) * (np_log_softmax(t) - np_log_softmax(s))).sum(-1)
-    expected = {"ce_loss": 9.0 * ce.sum() / (3 + 1e-5)}
-    expected["task_loss"] = -np_log_softmax(out["student_logits"])[np.arange(3), labels].mean()
+    expected = {"ce_loss": 9.0 * ce.sum() / (4 + 1e-5)}
+    expected["task_loss"] = -np_log_softmax(out["student_logits"])[np.arange(4), labels].mean()
 
     def cos(a, b):
         return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
@@ -187,17 +187,13 @@ def test_task_distillation_losses_match_numpy():
 
 
 def test_token_and_span_distillation_losses():
-    x = harness.backbone_inputs(2, 5, SMALL["vocabulary_size"])
+    x = harness.backbone_inputs(4, 8, SMALL["vocabulary_size"])
     for cls, kwargs, y in [
-        (
-            kbert.BertTokenClassifier,
-            {"num_classes": 3},
-            np.array([[0, 1, 2, 0, 1], [2, 1, 0, 0, 0]]),
-        ),
+        (kbert.BertTokenClassifier, {"num_classes": 3}, np.arange(32).reshape(4, 8) % 3),
         (
             kbert.BertQuestionAnswerer,
             {},
-            {"start_positions": np.array([1, 0]), "end_positions": np.array([2, 1])},
+            {"start_positions": np.array([1, 0, 2, 0]), "end_positions": np.array([2, 1, 3, 0])},
         ),
     ]:
         teacher = cls(kbert.BertBackbone(**SMALL), **kwargs)
@@ -212,7 +208,7 @@ def test_token_and_span_distillation_losses():
             mask = x["padding_mask"]
             expected_ce = 4.0 * (kl * mask).sum() / (mask.sum() + 1e-5)
         else:
-            assert logits["student_logits"].shape == (2, 2, 5)  # start, end over tokens
+            assert logits["student_logits"].shape == (4, 2, 8)  # start, end over tokens
             expected_ce = 4.0 * kl.sum() / (kl.size + 1e-5)
         assert abs(float(terms["ce"]) - expected_ce) < 1e-4, cls.__name__
         assert np.isfinite(float(terms["task"]))
@@ -238,7 +234,7 @@ def test_bad_arguments_are_named():
     distiller = kbert.BertDistiller(
         classifier, kbert.BertClassifier(student_from_teacher(backbone, [0]), num_classes=2)
     )
-    x = harness.backbone_inputs(2, 5, SMALL["vocabulary_size"])
+    x = harness.backbone_inputs(4, 8, SMALL["vocabulary_size"])
     with pytest.raises(ValueError, match="alpha_task=0"):
         distiller.distillation_losses(x, None, distiller(x))
 

@@ -49,5 +49,8 @@ class Dense(keras.layers.Dense):
         declare that its hooks fit them: this class changes only the float
         call, so they do (subclasses of this class must declare it again)."""
         if type_check and type(self) is not Dense:
-            raise self._not_implemented_error(self.quantize)
+            # Keras' wording: Model.quantize turns this error into a warning.
+            raise NotImplementedError(
+                f"Layer {type(self).__name__} does not have a `quantize` method implemented."
+            )
         super().quantize(mode, type_check=False, config=config)

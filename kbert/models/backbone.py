@@ -290,6 +290,55 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         return save_backbone(directory, self)
 
     @classmethod
+    def from_teacher(cls, teacher, layers, name=None):
+        """A smaller backbone initialised from chosen blocks of `teacher`
+        (DistilBERT: every other layer), for distillation.
+
+        Same config as the teacher except `num_layers = len(layers)`; the
+        embeddings, the pooler and teacher block `layers[i]` are copied
+        into block i.
+
+        Args:
+            teacher: BertBackbone. the backbone to take blocks from.
+            layers: sequence of int. 0-based teacher blocks, in student order.
+            name: str or None. the student's name.
+
+        Example:
+        >>> teacher = BertBackbone(100, 4, 2, 16, 32, max_sequence_length=16)
+        >>> BertBackbone.from_teacher(teacher, layers=[0, 2]).num_layers
+        2
+        """
+        if not isinstance(teacher, BertBackbone):
+            raise ValueError(
+                f"from_teacher takes a BertBackbone, got {type(teacher).__name__} "
+                "(a task model's backbone is `model.backbone`)"
+            )
+        layers = list(layers)
+        if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+            raise ValueError(f"layers must be a non-empty list of block indices, got {layers!r}")
+        bad = [i for i in layers if not 0 <= i < teacher.num_layers]
+        if bad:
+            last = teacher.num_layers - 1
+            raise ValueError(f"layers {bad} are not blocks of the teacher; it has blocks 0..{last}")
+        config = teacher.get_config()
+        if config.get("share_layers"):
+            raise ValueError(
+                "the teacher shares one block across its layers (share_layers=True): a student "
+                "from its layers is that block again; build the student with fewer "
+                "num_layers and copy the weights instead"
+            )
+        config.update(num_layers=len(layers), output_hidden_states=False)
+        config["name"] = name or f"{teacher.name}_student"
+        student = cls.from_config(config)
+        for part in ("embeddings", "pooler"):
+            student.get_layer(part).set_weights(teacher.get_layer(part).get_weights())
+        for i, source in enumerate(layers):
+            student.transformer_layers[i].set_weights(
+                teacher.transformer_layers[source].get_weights()
+            )
+        return student
+
+    @classmethod
     def from_architecture(cls, name, **overrides):
         """A randomly initialised backbone of a named size (`bert_base`, ...).
 

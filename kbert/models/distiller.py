@@ -78,23 +78,7 @@ def student_from_teacher(teacher_backbone, layers=(0, 2, 4), name=None):
             f"student_from_teacher needs a BertBackbone (or a task model), got "
             f"{type(teacher_backbone).__name__}"
         )
-    layers = list(layers)
-    if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-        raise ValueError(f"layers must be a non-empty list of block indices, got {layers!r}")
-    bad = [i for i in layers if not 0 <= i < teacher.num_layers]
-    if bad:
-        raise ValueError(
-            f"layers {bad} are not blocks of the teacher; it has blocks 0..{teacher.num_layers - 1}"
-        )
-    config = teacher.get_config()
-    config.update(num_layers=len(layers), output_hidden_states=False)
-    config["name"] = name or f"{teacher.name}_student"
-    student = BertBackbone.from_config(config)
-    for source_name in ("embeddings", "pooler"):
-        student.get_layer(source_name).set_weights(teacher.get_layer(source_name).get_weights())
-    for i, source in enumerate(layers):
-        student.transformer_layers[i].set_weights(teacher.transformer_layers[source].get_weights())
-    return student
+    return BertBackbone.from_teacher(teacher, layers, name=name)
 
 
 def _attention_scores(block, hidden, training):

@@ -90,6 +90,13 @@ def test_student_from_teacher_copies_the_chosen_blocks():
         student_from_teacher(teacher, layers=[0, 3])
     with pytest.raises(ValueError, match="non-empty"):
         student_from_teacher(teacher, layers=[])
+    # the same through the backbone's own constructor
+    again = kbert.BertBackbone.from_teacher(teacher, layers=[0, 2])
+    for a, b in zip(again.get_weights(), student.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    shared = kbert.BertBackbone(**{**SMALL, "num_layers": 3, "share_layers": True})
+    with pytest.raises(ValueError, match="shares one block"):
+        kbert.BertBackbone.from_teacher(shared, layers=[0, 2])
 
 
 # --- the distiller -------------------------------------------------------

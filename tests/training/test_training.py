@@ -213,13 +213,23 @@ def test_distributed_equals_single_device(engine, clipnorm, tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
-def test_torch_backend_refuses_multi_device_engines():
+def test_engines_of_another_backend_are_refused():
+    from kbert.training import distribution_scope
+
+    other = "torch-ddp" if keras.backend.backend() != "torch" else "jax-data-parallel"
+    with pytest.raises(ValueError, match="needs KERAS_BACKEND="):
+        distribution_scope(other)
+
+
+def test_torch_ddp_outside_a_launcher_says_how_to_launch(monkeypatch):
     from kbert.training import distribution_scope
 
     if keras.backend.backend() != "torch":
         pytest.skip("torch pass only")
-    with pytest.raises(ValueError, match="one device only"):
-        distribution_scope("jax-data-parallel")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node"):
+        distribution_scope("torch-ddp")
 
 
 MULTI_WORKER = textwrap.dedent(

@@ -400,48 +400,42 @@ def read_backbone(directory, load_weights=True, allow_pickle=False):
     return config, weights, ("pooler/",)
 
 
-def _albert_head_weights(name, state):
-    """kbert head paths -> arrays for ALBERT's MLM (H -> E transform, LayerNorm
-    at E, decoder tied to the E-wide embedding) and SOP heads."""
-    needed = ["predictions.dense.weight", "predictions.bias"]
+def _pretraining_head_weights(name, state, mlm, sentence, sentence_head):
+    """kbert head paths -> arrays for a masked-LM head and, for a
+    pre-trainer, its sentence head (NSP or SOP).
+
+    `mlm`: (prefix of the transform's `dense` and `LayerNorm` keys, key of
+    the output bias); `sentence`: prefix of the sentence head's keys;
+    `sentence_head`: its kbert layer name."""
+    transform, bias = mlm
+    needed = [f"{transform}dense.weight", bias]
     if not all(k in state for k in needed):
         return None
     w = {
-        "mlm_head/transform/kernel": state["predictions.dense.weight"].T,
-        "mlm_head/transform/bias": state["predictions.dense.bias"],
-        "mlm_head/layer_norm/gamma": state["predictions.LayerNorm.weight"],
-        "mlm_head/layer_norm/beta": state["predictions.LayerNorm.bias"],
-        "mlm_head/output_bias": state["predictions.bias"],
+        "mlm_head/transform/kernel": state[f"{transform}dense.weight"].T,
+        "mlm_head/transform/bias": state[f"{transform}dense.bias"],
+        "mlm_head/layer_norm/gamma": state[f"{transform}LayerNorm.weight"],
+        "mlm_head/layer_norm/beta": state[f"{transform}LayerNorm.bias"],
+        "mlm_head/output_bias": state[bias],
     }
     if name == "BertPreTrainer":
-        if "sop_classifier.classifier.weight" not in state:
+        if f"{sentence}weight" not in state:
             return None
-        w["sop_head/dense/kernel"] = state["sop_classifier.classifier.weight"].T
-        w["sop_head/dense/bias"] = state["sop_classifier.classifier.bias"]
+        w[f"{sentence_head}/dense/kernel"] = state[f"{sentence}weight"].T
+        w[f"{sentence_head}/dense/bias"] = state[f"{sentence}bias"]
     return w
 
 
 def _head_weights(name, state):
     """kbert head paths -> arrays for the heads a Hugging Face checkpoint has."""
     if name in ("BertPreTrainer", "BertMaskedLM") and _is_albert(state):
-        return _albert_head_weights(name, state)
+        # ALBERT: H -> E transform, LayerNorm at E, decoder tied to the
+        # E-wide embedding; sentence-order head
+        mlm = ("predictions.", "predictions.bias")
+        return _pretraining_head_weights(name, state, mlm, "sop_classifier.classifier.", "sop_head")
     if name in ("BertPreTrainer", "BertMaskedLM"):
-        needed = ["cls.predictions.transform.dense.weight", "cls.predictions.bias"]
-        if not all(k in state for k in needed):
-            return None
-        w = {
-            "mlm_head/transform/kernel": state["cls.predictions.transform.dense.weight"].T,
-            "mlm_head/transform/bias": state["cls.predictions.transform.dense.bias"],
-            "mlm_head/layer_norm/gamma": state["cls.predictions.transform.LayerNorm.weight"],
-            "mlm_head/layer_norm/beta": state["cls.predictions.transform.LayerNorm.bias"],
-            "mlm_head/output_bias": state["cls.predictions.bias"],
-        }
-        if name == "BertPreTrainer":
-            if "cls.seq_relationship.weight" not in state:
-                return None
-            w["nsp_head/dense/kernel"] = state["cls.seq_relationship.weight"].T
-            w["nsp_head/dense/bias"] = state["cls.seq_relationship.bias"]
-        return w
+        mlm = ("cls.predictions.transform.", "cls.predictions.bias")
+        return _pretraining_head_weights(name, state, mlm, "cls.seq_relationship.", "nsp_head")
     if name in ("BertClassifier", "BertTokenClassifier", "BertMultipleChoice"):
         if "classifier.weight" not in state:
             return None

@@ -13,13 +13,14 @@ directory both read. A hung collective fails the test at a timeout.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
+
+from tests.training.processes import assert_close, free_port, load_run, run_all
 
 pytest.importorskip("tensorflow")
 if keras.backend.backend() != "jax":
@@ -49,12 +50,6 @@ def _env(cache):
     return env
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(checkpoints, out, cache, *flags):
     command = [sys.executable, "-m", "tests.training.multiprocess_worker", str(checkpoints)]
     return subprocess.Popen(
@@ -67,24 +62,10 @@ def _start(checkpoints, out, cache, *flags):
     )
 
 
-def _run(runs):
-    """Waits for all `runs` (Popen); kills them all at TIMEOUT. Returns (codes, outputs)."""
-    outputs = []
-    try:
-        for run in runs:
-            outputs.append(run.communicate(timeout=TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        for run in runs:
-            run.kill()
-        tails = [run.communicate()[0][-3000:] for run in runs]
-        pytest.fail(f"a process hung (collective or coordinator) past {TIMEOUT} s:\n{tails}")
-    return [run.returncode for run in runs], outputs
-
-
 def _pair(checkpoints, out, cache, *flags, seed=0, second=()):
     """Two processes of one run on a fresh loopback coordinator; `second`:
     flags for process 1 alone."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     return [
         _start(
             checkpoints,
@@ -105,18 +86,6 @@ def _pair(checkpoints, out, cache, *flags, seed=0, second=()):
     ]
 
 
-def _load(path):
-    with np.load(path) as f:
-        count = sum(k.startswith("arr_") for k in f.files)
-        return [f[f"arr_{i}"] for i in range(count)], f["losses"], int(f["processes"])
-
-
-def _assert_close(a, b, atol):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """An uninterrupted two-process run and a one-process run, side by side."""
@@ -127,7 +96,7 @@ def runs(tmp_path_factory):
     codes, outputs = _run([*pair, single])
     for code, output in zip(codes, outputs):
         assert code == 0, output[-3000:]
-    return root, cache, _load(root / "pair.npz"), _load(root / "single.npz")
+    return root, cache, load_run(root / "pair.npz"), load_run(root / "single.npz")
 
 
 @pytest.mark.large
@@ -136,7 +105,7 @@ def test_two_processes_equal_one_process(runs):
     assert (processes, single_processes) == (2, 1)
     assert len(losses) == 6
     np.testing.assert_allclose(losses, single_losses, atol=1e-5, rtol=0)
-    _assert_close(weights, single_weights, atol=1e-5)
+    assert_close(weights, single_weights, atol=1e-5)
 
 
 @pytest.mark.large
@@ -160,6 +129,10 @@ def test_killed_and_stopped_runs_end_as_uninterrupted(runs, tmp_path):
     assert not out.exists()
     codes, outputs = _run(_pair(checkpoints, out, cache, seed=8))
     assert codes == [0, 0], [o[-3000:] for o in outputs]
-    resumed_weights, resumed_losses, _ = _load(out)
+    resumed_weights, resumed_losses, _ = load_run(out)
     np.testing.assert_allclose(resumed_losses, losses[4:], atol=1e-6, rtol=0)
-    _assert_close(resumed_weights, weights, atol=1e-6)
+    assert_close(resumed_weights, weights, atol=1e-6)
+
+
+def _run(runs):
+    return run_all(runs, TIMEOUT)

@@ -18,13 +18,14 @@ checkpoints. A hung collective fails the test at a timeout.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import keras
 import numpy as np
 import pytest
+
+from tests.training.processes import assert_close, free_port, load_run, run_all
 
 pytest.importorskip("tensorflow")
 if keras.backend.backend() != "torch":
@@ -50,12 +51,6 @@ def _env(**more):
     return env
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _popen(command, env):
     return subprocess.Popen(
         command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -69,7 +64,7 @@ def _single(checkpoints, out, *flags):
 def _pair(checkpoints, out, *flags, second=(), worker=WORKER):
     """Two processes of one run, started as torchrun would; `second`: flags
     for process 1 alone."""
-    port = str(_free_port())
+    port = str(free_port())
     runs = []
     for rank in range(2):
         env = _env(
@@ -88,35 +83,9 @@ def _pair(checkpoints, out, *flags, second=(), worker=WORKER):
 
 def _torchrun(checkpoints, out, *flags):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     command += [*WORKER, str(checkpoints), str(out), "--engine", "torch-ddp", *flags]
     return _popen(command, _env())
-
-
-def _run(runs):
-    """Waits for all `runs` (Popen); kills them all at TIMEOUT. Returns (codes, outputs)."""
-    outputs = []
-    try:
-        for run in runs:
-            outputs.append(run.communicate(timeout=TIMEOUT)[0])
-    except subprocess.TimeoutExpired:
-        for run in runs:
-            run.kill()
-        tails = [run.communicate()[0][-3000:] for run in runs]
-        pytest.fail(f"a process hung (a collective) past {TIMEOUT} s:\n{tails}")
-    return [run.returncode for run in runs], outputs
-
-
-def _load(path):
-    with np.load(path) as f:
-        count = sum(k.startswith("arr_") for k in f.files)
-        return [f[f"arr_{i}"] for i in range(count)], f["losses"], int(f["processes"])
-
-
-def _assert_close(a, b, atol):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_allclose(x, y, atol=atol, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +113,8 @@ def runs(tmp_path_factory):
     codes, outputs = _run(started)
     for code, output in zip(codes, outputs):
         assert code == 0, output[-3000:]
-    results = {name: _load(root / f"{name}.npz") for name in ("pair-free", "single-free")}
-    results.update({name: _load(root / f"{name}.npz") for name in ("pair-clip", "single-clip")})
+    results = {name: load_run(root / f"{name}.npz") for name in ("pair-free", "single-free")}
+    results.update({name: load_run(root / f"{name}.npz") for name in ("pair-clip", "single-clip")})
     for name in ("fit-pair", "fit-single"):
         with np.load(root / f"{name}.npz") as f:
             count = sum(k.startswith("arr_") for k in f.files)
@@ -175,7 +144,7 @@ def test_two_processes_equal_one_process(runs, mode):
     assert (processes, single_processes) == (2, 1)
     assert len(losses) == 6
     np.testing.assert_allclose(losses, single_losses, atol=1e-5, rtol=0)
-    _assert_close(weights, single_weights, atol=1e-5)
+    assert_close(weights, single_weights, atol=1e-5)
 
 
 @pytest.mark.large
@@ -209,6 +178,10 @@ def test_killed_and_stopped_runs_end_as_uninterrupted(runs, tmp_path):
     assert not out.exists()
     codes, outputs = _run(_pair(checkpoints, out, *free, "--seed", "8"))
     assert codes == [0, 0], [o[-3000:] for o in outputs]
-    resumed_weights, resumed_losses, _ = _load(out)
+    resumed_weights, resumed_losses, _ = load_run(out)
     np.testing.assert_allclose(resumed_losses, losses[4:], atol=1e-6, rtol=0)
-    _assert_close(resumed_weights, weights, atol=1e-6)
+    assert_close(resumed_weights, weights, atol=1e-6)
+
+
+def _run(runs):
+    return run_all(runs, TIMEOUT)

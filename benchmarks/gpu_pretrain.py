@@ -29,7 +29,14 @@ followed by any of these switches:
     -nograph    torch: every step eager instead of a CUDA graph replay
     -kerasbatches  torch: batches put on the GPU by Keras' data adapters (blocking copies)
     -jit        torch: Keras' step through torch.compile instead of kbert's step
+    -ddp        torch: `torch-ddp` over every GPU under torchrun, per-GPU batch unchanged
+    -float8     `model.quantize("float8")`: float8 matrix products with delayed scaling
     -nodrop     no hidden dropout either (an upper bound: what dropout costs)
+
+`hf-eager-ddp` and `hf-compile-ddp` run transformers' model wrapped in
+DistributedDataParallel, one process per GPU under torchrun, per-GPU batch
+unchanged: what a transformers user launches on several GPUs. A `-ddp` row's
+sequences/s counts every GPU's sequences (the global batch).
 """
 
 import argparse
@@ -120,7 +127,7 @@ def check_fused_attention():
     }
 
 
-def run_kbert(arch, t, b, p, variant, steps, spe):
+def run_kbert(arch, t, b, p, variant, steps, spe, data=None):
     import keras
     import numpy as np
 
@@ -128,6 +135,11 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
 
     options = variant.split("-")[2:]
     dropout = float(options[0][len("drop") :])
+    if "ddp" in options:  # one process per GPU, launched by torchrun
+        from kbert.training import distribution_scope
+
+        _, processes = distribution_scope("torch-ddp")
+        b *= processes
     if keras.backend.backend() == "torch":
         spe = 1  # Keras' torch trainer runs one step per call
         if "kerasbatches" in options:  # Keras' own blocking batch copies
@@ -157,6 +169,8 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         dropout=0.0 if "nodrop" in options else 0.1,
     )
     model = kbert.BertPreTrainer(backbone)
+    if "float8" in options:
+        model.quantize("float8")
     # torch: kbert's own step (a CUDA graph on a GPU); -jit hands Keras' step
     # to torch.compile instead.
     model.compile(
@@ -165,25 +179,48 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         jit_compile=keras.backend.backend() != "torch" or "jit" in options,
         cuda_graph="nograph" not in options,
     )
-    x, y = batch(t, b, p)
     # Steady state, as the transformers loop is timed (synchronised before
     # and after, no start-up): fit() has a fixed cost per call (iterator,
     # callbacks, the final sync, writing the state back to the Keras
     # variables), so time a short and a long fit and divide the difference
     # in time by the difference in steps. Whole-fit figures are kept too.
     long = 3 * steps
-    xs = {k: np.concatenate([v] * long) for k, v in x.items()}
-    ys = {k: np.concatenate([v] * long) for k, v in y.items()}
+    if data:  # real batches, each fit taking the next rows (wrapping round)
+        from kbert.data.numpy_io import X_NAMES, Y_NAMES
+
+        arrays = {n: np.load(os.path.join(data, f"{n}.npy")) for n in X_NAMES + Y_NAMES}
+        total = (2 * spe + steps + long) * b
+        rows = np.arange(total) % len(arrays["token_ids"])
+        xs = {
+            n: arrays[n][rows][:, :t] if n != "mask_positions" else arrays[n][rows] for n in X_NAMES
+        }
+        ys = {n: arrays[n][rows] for n in Y_NAMES}
+    else:  # one synthetic batch, repeated
+        x, y = batch(t, b, p)
+        xs = {k: np.concatenate([v] * long) for k, v in x.items()}
+        ys = {k: np.concatenate([v] * long) for k, v in y.items()}
+    curve, offset = [], [0]
+
+    class Curve(keras.callbacks.Callback):
+        """The logged loss (the running mean of the fit's steps) after each
+        execution, with the optimizer step it was logged at."""
+
+        def on_train_batch_end(self, batch_index, logs=None):
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            curve.append((step, float(logs["loss"])))
 
     def fit(n):
+        begin = offset[0] * b if data else 0
+        offset[0] += n
         start = time.perf_counter()
         history = model.fit(
-            {k: v[: n * b] for k, v in xs.items()},
-            {k: v[: n * b] for k, v in ys.items()},
+            {k: v[begin : begin + n * b] for k, v in xs.items()},
+            {k: v[begin : begin + n * b] for k, v in ys.items()},
             batch_size=b,
             epochs=1,
             verbose=0,
             shuffle=False,
+            callbacks=[Curve()] if data else None,
         ).history
         return time.perf_counter() - start, float(history["loss"][-1])
 
@@ -202,6 +239,11 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         import torch
 
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    if "ddp" in options:
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return None
     result = {
         "seconds": seconds,
         "sequences": n,
@@ -211,16 +253,32 @@ def run_kbert(arch, t, b, p, variant, steps, spe):
         "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True),
         "fused_kernel": kbert.backend.ops.fused_attention_path(),
     }
+    if data:
+        result["loss_curve"] = curve
+    if getattr(model, "cuda_graph_stats", None):
+        result["cuda_graph"] = model.cuda_graph_stats
     if keras.backend.backend() == "jax":
         result["check"] = check_fused_attention()
     return result
 
 
-def hf_train_step(arch, t, b, p):
+def hf_train_step(arch, t, b, p, ddp=False):
     """transformers BertForPreTraining on the GPU: one AdamW training step
-    (bf16 autocast, clipping 1.0) on the synthetic batch, as a function."""
+    (bf16 autocast, clipping 1.0) on the synthetic batch, as a function.
+    With `ddp`, the model is wrapped in DistributedDataParallel (one process
+    per GPU, under torchrun) and each process trains on its own batch."""
     import torch
     import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank = 0
+    if ddp:
+        import torch.distributed as dist
+
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        rank = dist.get_rank()
 
     import kbert.presets.architectures as a
 
@@ -233,22 +291,27 @@ def hf_train_step(arch, t, b, p):
         intermediate_size=sizes["intermediate_dim"],
         attn_implementation="sdpa",
     )
-    model = transformers.BertForPreTraining(config).cuda().train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    x, y = batch(t, b, p)
+    model = transformers.BertForPreTraining(config).to(device).train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, weight_decay=0.01, fused=device == "cuda"
+    )
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    x, y = batch(t, b, p, seed=rank)
     labels = torch.full((b, t), -100, dtype=torch.long)
     pos = torch.tensor(x["mask_positions"]).long()
     labels.scatter_(1, pos, torch.tensor(y["mask_ids"]).long())
     inputs = {
-        "input_ids": torch.tensor(x["token_ids"]).long().cuda(),
-        "token_type_ids": torch.tensor(x["segment_ids"]).long().cuda(),
-        "attention_mask": torch.tensor(x["padding_mask"]).long().cuda(),
-        "labels": labels.cuda(),
-        "next_sentence_label": torch.tensor(y["next_sentence_labels"]).long().cuda(),
+        "input_ids": torch.tensor(x["token_ids"]).long(),
+        "token_type_ids": torch.tensor(x["segment_ids"]).long(),
+        "attention_mask": torch.tensor(x["padding_mask"]).long(),
+        "labels": labels,
+        "next_sentence_label": torch.tensor(y["next_sentence_labels"]).long(),
     }
+    inputs = {k: v.to(device) for k, v in inputs.items()}
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(**inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -259,27 +322,38 @@ def hf_train_step(arch, t, b, p):
     return step
 
 
-def run_hf(arch, t, b, p, compile_, steps):
+def run_hf(arch, t, b, p, compile_, steps, ddp=False):
     import torch
 
-    step = hf_train_step(arch, t, b, p)
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    step = hf_train_step(arch, t, b, p, ddp)
     if compile_:
         step = torch.compile(step)
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    processes = 1
+    if ddp:
+        import torch.distributed as dist
+
+        dist.barrier()
+        processes = dist.get_world_size()
     steps *= 2  # as many steps as kbert's timed window
     start = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - start
+    if ddp and dist.get_rank() != 0:
+        return None
     return {
         "seconds": seconds,
-        "sequences": steps * b,
+        "sequences": steps * b * processes,
         "loss": float(loss),
-        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     }
 
 
@@ -302,10 +376,11 @@ def child(args):
     arch, t, b, p = CONFIGS[args.config]
     v = args.variant
     if v.startswith("kbert"):
-        result = run_kbert(arch, t, b, p, v, args.steps, args.steps_per_execution)
+        result = run_kbert(arch, t, b, p, v, args.steps, args.steps_per_execution, args.data)
     else:
-        result = run_hf(arch, t, b, p, v == "hf-compile", args.steps)
-    print("RESULT " + json.dumps(result))
+        result = run_hf(arch, t, b, p, "compile" in v, args.steps, v.endswith("-ddp"))
+    if result is not None:  # under DDP, process 0 reports
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def main():
@@ -316,6 +391,13 @@ def main():
     parser.add_argument("--steps-per-execution", type=int, default=10)
     parser.add_argument("--out", default="gpu_pretrain.json")
     parser.add_argument("--timeout", type=int, default=240)
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="kbert variants: real batches from an export_numpy directory (made with "
+        "`kbert create-pretraining-data` then kbert.data.export_numpy) instead of one "
+        "synthetic batch; records the loss after every execution (loss_curve)",
+    )
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--config")
     parser.add_argument("--variant")
@@ -352,8 +434,13 @@ def main():
             if variant.endswith("-nocmdbuf"):
                 env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
             steps = args.steps
+            launcher = [sys.executable]
+            if variant.endswith("-ddp") or "-ddp-" in variant:
+                gpus = torch.cuda.device_count() or 2  # two CPU processes for a smoke test
+                launcher += ["-m", "torch.distributed.run", "--standalone"]
+                launcher += ["--nproc_per_node", str(gpus)]
             cmd = [
-                sys.executable,
+                *launcher,
                 __file__,
                 "--child",
                 "--config",
@@ -365,6 +452,8 @@ def main():
                 "--steps-per-execution",
                 str(args.steps_per_execution),
             ]
+            if args.data:
+                cmd += ["--data", args.data]
             started = time.time()
             try:
                 proc = subprocess.run(
@@ -372,6 +461,8 @@ def main():
                 )
                 lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
                 if not lines:
+                    with open(f"{args.out}.{config}.{variant}.stderr", "w") as f:
+                        f.write(proc.stderr)
                     raise RuntimeError((proc.stderr or proc.stdout)[-1500:])
                 r = json.loads(lines[-1][7:])
                 sps = r["sequences"] / r["seconds"]

@@ -25,6 +25,15 @@ What makes N processes train as one device on the same global batch:
 Dropout masks differ between processes (torch's generator is offset by the
 rank when the model is wrapped), so a run with dropout is not the
 single-device run mask for mask, only in distribution.
+
+When kbert replays its training step as a CUDA graph (on GPUs, the
+default), DDP's hooks cannot run inside the graph: the step then runs the
+model itself and sums the gradients with `all_reduce_gradients` after the
+backward pass, in buckets of `BUCKET_BYTES`, captured in the graph with
+everything else. The reduction no longer overlaps the backward pass; the
+replay removes the host's launch overhead, which costs far more
+(docs/performance.md). `sync_after_backward()` tells which way this fit
+runs.
 """
 
 import contextlib
@@ -35,7 +44,8 @@ import keras
 import torch
 import torch.distributed as dist
 
-_STATE = {"on": False, "normalised": False}
+_STATE = {"on": False, "normalised": False, "after_backward": False}
+BUCKET_BYTES = 64 * 2**20
 
 
 def initialize(timeout_s=None):
@@ -126,6 +136,70 @@ def _sum_hook(state, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def prepare_for_graphs(model):
+    """Readies `model` for steps replayed as CUDA graphs, which run without
+    the DDP wrapper: process 0's weights broadcast and the dropout
+    generator offset by the rank (what wrapping does), once per model.
+    False when the model was already wrapped: DDP's reducer keeps the
+    autograd nodes of the stream it was made on, and a capture on another
+    stream fails, so such a model keeps training eagerly through DDP."""
+    if "_kbert_ddp" in model.__dict__:
+        return False
+    if not model.__dict__.get("_kbert_synced"):
+        with torch.no_grad():
+            for variable in model.weights:
+                dist.broadcast(variable.value, src=0)
+        torch.manual_seed(torch.initial_seed() + rank())
+        model.__dict__["_kbert_synced"] = True
+    return True
+
+
+@contextlib.contextmanager
+def gradients_after_backward(on=True):
+    """Within the block, kbert's step runs the model itself (no DDP
+    wrapper) and sums the gradients after the backward pass
+    (`all_reduce_gradients`): what a CUDA-graph replay needs. Call
+    `prepare_for_graphs` (or `wrapped`) first, so that every process starts
+    from process 0's weights."""
+    previous = _STATE["after_backward"]
+    _STATE["after_backward"] = bool(on)
+    try:
+        yield
+    finally:
+        _STATE["after_backward"] = previous
+
+
+def sync_after_backward():
+    """Whether this step sums gradients after the backward pass."""
+    return active() and _STATE["after_backward"]
+
+
+def all_reduce_gradients(gradients):
+    """Sums `gradients` (tensors, in place) over the processes: flattened
+    into buckets of about `BUCKET_BYTES` per dtype, one all-reduce each."""
+    buckets, size = [[]], 0
+    for grad in gradients:
+        if grad is None:
+            continue
+        nbytes = grad.numel() * grad.element_size()
+        last = buckets[-1]
+        if last and (size + nbytes > BUCKET_BYTES or last[0].dtype != grad.dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += nbytes
+    for bucket in buckets:
+        if not bucket:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for grad in bucket:
+            n = grad.numel()
+            grad.copy_(flat[offset : offset + n].view_as(grad))
+            offset += n
+
+
 def wrapped(model):
     """`model` wrapped in DistributedDataParallel (made once per model;
     broadcasts process 0's weights when made)."""
@@ -144,7 +218,9 @@ def wrapped(model):
         ddp.register_comm_hook(None, _sum_hook)
         # Dropout draws from torch's generator, seeded alike in every
         # process: offset it so that each process's rows get their own masks.
-        torch.manual_seed(torch.initial_seed() + rank())
+        if not model.__dict__.get("_kbert_synced"):
+            torch.manual_seed(torch.initial_seed() + rank())
+            model.__dict__["_kbert_synced"] = True
         # not a Keras-tracked attribute (a module holding the model itself)
         model.__dict__["_kbert_ddp"] = ddp
     return ddp

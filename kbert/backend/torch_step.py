@@ -127,8 +127,10 @@ def _train_step(model, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     distributed = torch_ddp.active()
     # Under torch-ddp the forward runs through DistributedDataParallel, whose
-    # hooks all-reduce the gradients during the backward pass.
-    forward = torch_ddp.wrapped(model) if distributed else model
+    # hooks all-reduce the gradients during the backward pass; a step
+    # replayed as a CUDA graph sums them after the backward pass instead.
+    after_backward = torch_ddp.sync_after_backward()
+    forward = torch_ddp.wrapped(model) if distributed and not after_backward else model
     normalisation = torch_ddp.loss_normalisation() if distributed else contextlib.nullcontext()
     with normalisation as share:
         if keras_internals.call_has_training_arg(model):
@@ -153,6 +155,8 @@ def _train_step(model, data):
     if trainable_weights:
         loss.backward()
         gradients = [v.value.grad for v in trainable_weights]
+        if after_backward:
+            torch_ddp.all_reduce_gradients(gradients)
         with torch.no_grad():
             model.optimizer.apply(gradients, trainable_weights)
     else:
@@ -223,11 +227,14 @@ def host_batches(force=False):
 
 
 def _signature(data):
-    """The structure, shapes and dtypes of a batch: a captured graph replays
-    only batches with the same signature."""
-    return keras.tree.map_structure(
-        lambda v: (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else v, data
+    """The structure, shapes and dtypes of a batch, hashable: a captured
+    graph replays only batches with the same signature."""
+    structure = keras.tree.map_structure(lambda v: None, data)
+    leaves = tuple(
+        (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else repr(v)
+        for v in keras.tree.flatten(data)
     )
+    return repr(structure), leaves
 
 
 def _graph_safe_optimizer(optimizer):
@@ -341,6 +348,7 @@ class GraphedTrainStep:
         self.model.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         previous = torch.cuda.current_stream()
+        failed = None
         try:
             with torch.cuda.graph(
                 graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
@@ -348,9 +356,18 @@ class GraphedTrainStep:
                 static_logs = train_step(self.model, static_inputs)
         except Exception as error:  # a step that cannot be captured trains eagerly
             torch.cuda.set_stream(previous)  # a failed capture_end skips the stream's restore
+            failed = f"{type(error).__name__}: {str(error)[:300]}"
+        if torch_ddp.active():
+            # A graph holds collectives: every process replays its graph or
+            # none does (a capture records without running, so nothing was
+            # exchanged yet).
+            flag = torch.ones((), device="cuda") if failed else torch.zeros((), device="cuda")
+            if float(torch_ddp.all_reduce_sum(flag)) > 0 and not failed:
+                failed = "another process could not capture its step"
+        if failed:
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
-            return self._give_up(f"{type(error).__name__}: {str(error)[:300]}", data)
+            return self._give_up(failed, data)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[signature] = (graph, static_inputs, static_logs)
@@ -420,12 +437,17 @@ def fit_context(model):
         yield
         return
     graph = getattr(model, "cuda_graph", "auto")
-    # Under torch-ddp the step runs eagerly: replaying DDP's all-reduce in a
-    # graph is not supported here.
-    if graph and not torch_ddp.active() and cuda_graph_supported(model, force=graph is True):
-        model.graphed_step = GraphedTrainStep(model)
+    sync = contextlib.nullcontext()
+    if graph and cuda_graph_supported(model, force=graph is True):
+        if not torch_ddp.active():
+            model.graphed_step = GraphedTrainStep(model)
+        elif torch_ddp.prepare_for_graphs(model):
+            # DDP's backward hooks cannot be replayed: the graph holds the
+            # gradient all-reduce after the backward pass (torch_ddp doc).
+            model.graphed_step = GraphedTrainStep(model)
+            sync = torch_ddp.gradients_after_backward()
     try:
-        with host_batches():
+        with host_batches(), sync:
             yield
     finally:
         graphed = getattr(model, "graphed_step", None)

@@ -20,6 +20,7 @@ process stopped.
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -57,6 +58,9 @@ def main():
     # torch-ddp: each process draws its own dropout masks for its rows, so
     # only a run without dropout can equal one process on the global batch
     p.add_argument("--no-dropout", action="store_true")
+    # torch-ddp: sum the gradients after the backward pass, as a step
+    # replayed as a CUDA graph does, instead of through DDP's hooks
+    p.add_argument("--sync-after-backward", action="store_true")
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)  # a restarted process gets other initial weights
     engine = args.engine or ("none" if args.num_processes is None else "jax-data-parallel")
@@ -104,16 +108,23 @@ def main():
             if self.step == args.term_at:
                 os.kill(os.getpid(), signal.SIGTERM)
 
+    sync = contextlib.nullcontext()
+    if args.sync_after_backward:
+        from kbert.backend import torch_ddp
+
+        torch_ddp.prepare_for_graphs(model)  # process 0's weights, as a graphed fit does
+        sync = torch_ddp.gradients_after_backward()
     try:
-        fit_resumable(
-            model,
-            make,
-            TOTAL,
-            args.checkpoint_dir,
-            steps_per_checkpoint=EVERY,
-            callbacks=[Record()],
-            verbose=0,
-        )
+        with sync:
+            fit_resumable(
+                model,
+                make,
+                TOTAL,
+                args.checkpoint_dir,
+                steps_per_checkpoint=EVERY,
+                callbacks=[Record()],
+                verbose=0,
+            )
     except SystemExit as stopped:  # stopped by SIGTERM after a checkpoint
         log(f"exit {stopped.code}")
         leave(args, stopped.code)

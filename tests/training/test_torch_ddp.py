@@ -90,8 +90,10 @@ def _torchrun(checkpoints, out, *flags):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two-process runs (under torchrun without clipping; started here with
-    clipping at 1e-4, active at every step) and one-process runs of each."""
+    """Two-process runs (under torchrun without clipping, gradients summed
+    by DDP's hooks; started here with clipping at 1e-4, active at every
+    step, gradients summed after the backward pass as a CUDA-graph replay
+    does) and one-process runs of each."""
     root = tmp_path_factory.mktemp("ddp")
     flags = {
         "free": ("--no-dropout", "--clipnorm", "0"),
@@ -105,7 +107,7 @@ def runs(tmp_path_factory):
     for code, output in zip(codes, outputs):
         assert code == 0, output[-3000:]
     started = [
-        *_pair(root / "pair-clip", root / "pair-clip.npz", *flags["clip"]),
+        *_pair(root / "pair-clip", root / "pair-clip.npz", *flags["clip"], "--sync-after-backward"),
         _single(root / "single-clip", root / "single-clip.npz", *flags["clip"]),
         *_pair(None, root / "fit-pair.npz", worker=FIT_WORKER),
         _popen([sys.executable, *FIT_WORKER, str(root / "fit-single.npz")], _env()),

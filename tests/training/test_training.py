@@ -416,6 +416,24 @@ def _pretrainer_pair(dropout, attention_dropout=0.0):
     return models
 
 
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch step")
+def test_cuda_graph_signature_is_hashable_and_tells_shapes_apart():
+    """A captured graph is looked up by its batch's signature: a (dict,
+    dict) batch must give a hashable key, equal for the same shapes and
+    dtypes and different when a shape, a dtype or a key differs."""
+    from kbert.backend.torch_step import _signature
+
+    def make(length, dtype="int32", key="token_ids"):
+        x = {key: np.zeros((2, length), dtype), "padding_mask": np.ones((2, length), "int32")}
+        return x, {"labels": np.zeros((2,), "int32")}, None
+
+    keys = {_signature(make(16)), _signature(make(16))}
+    assert len(keys) == 1
+    assert _signature(make(32)) not in keys
+    assert _signature(make(16, "int64")) not in keys
+    assert _signature(make(16, key="segment_ids")) not in keys
+
+
 @pytest.mark.skipif(not _cuda(), reason="CUDA graphs: torch backend on a GPU")
 def test_cuda_graph_fit_trains_as_the_eager_fit():
     """fit replaying the captured step gives the weights the eager fit gives
@@ -431,13 +449,32 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
         2
     ):  # with validation: the torch test_step makes Keras' constants on the device too
         history = graphed.fit(
-            x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)
+            x,
+            y,
+            batch_size=2,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            validation_data=(x, y),
+            bucket_lengths=False,
         ).history
         reference = eager.fit(
-            x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y)
+            x,
+            y,
+            batch_size=2,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            validation_data=(x, y),
+            bucket_lengths=False,
         ).history
         # 7 batches: 2 eager warm-up steps, the captured one, 4 replays
-        assert graphed.cuda_graph_stats == {"replays": 5, "eager_steps": 2, "capture_failed": None}
+        assert graphed.cuda_graph_stats == {
+            "replays": 5,
+            "eager_steps": 2,
+            "graphs": 1,
+            "capture_failed": None,
+        }
         np.testing.assert_allclose(history["loss"], reference["loss"], rtol=1e-5)
         np.testing.assert_allclose(history["val_loss"], reference["val_loss"], rtol=1e-5)
     assert (
@@ -447,9 +484,14 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
     # a partial last batch runs eagerly
     graphed.fit(
-        x, y, batch_size=4, epochs=1, shuffle=False, verbose=0
+        x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, bucket_lengths=False
     )  # 3 full batches and one of 2
-    assert graphed.cuda_graph_stats == {"replays": 1, "eager_steps": 3, "capture_failed": None}
+    assert graphed.cuda_graph_stats == {
+        "replays": 1,
+        "eager_steps": 3,
+        "graphs": 1,
+        "capture_failed": None,
+    }
     graphed.fit(
         {k: v[:13] for k, v in x.items()},
         {k: v[:13] for k, v in y.items()},
@@ -457,8 +499,14 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
         epochs=1,
         shuffle=False,
         verbose=0,
+        bucket_lengths=False,
     )
-    assert graphed.cuda_graph_stats == {"replays": 4, "eager_steps": 3, "capture_failed": None}
+    assert graphed.cuda_graph_stats == {
+        "replays": 4,
+        "eager_steps": 3,
+        "graphs": 1,
+        "capture_failed": None,
+    }
 
 
 @pytest.mark.skipif(not _cuda(), reason="CUDA graphs: torch backend on a GPU")
@@ -521,11 +569,17 @@ def test_cuda_graph_fine_tuning_trains_as_the_eager_fit(task):
             shuffle=False,
             verbose=0,
             validation_data=(x, *targets.values()),
+            bucket_lengths=False,
         ).history
         models.append((model, history))
     (graphed, history), (eager, reference) = models
     # 2 epochs of 6 batches: 2 eager warm-up steps, the captured one, 9 replays
-    assert graphed.cuda_graph_stats == {"replays": 10, "eager_steps": 2, "capture_failed": None}
+    assert graphed.cuda_graph_stats == {
+        "replays": 10,
+        "eager_steps": 2,
+        "graphs": 1,
+        "capture_failed": None,
+    }
     for name in reference:
         np.testing.assert_allclose(history[name], reference[name], rtol=1e-5, atol=1e-6)
     for a, b in zip(graphed.get_weights(), eager.get_weights()):

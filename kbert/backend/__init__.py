@@ -31,3 +31,16 @@ def is_torch():
 
 def is_tensorflow():
     return keras.backend.backend() == "tensorflow"
+
+
+def compiles_per_shape(model=None):
+    """Whether a new input shape costs a compilation or a capture: XLA on
+    JAX and TensorFlow, CUDA graphs on torch with a GPU, torch.compile
+    (`model.jit_compile`). False for eager torch on a CPU."""
+    if not is_torch():
+        return True
+    if model is not None and getattr(model, "jit_compile", False) is True:
+        return True
+    from kbert.backend import keras_internals
+
+    return str(keras_internals.torch_device()).startswith("cuda")

@@ -241,7 +241,9 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.check_inputs(x)
         length = None
         if isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values()):
-            x, length = batching.pad_to_bucket(x, limit=self.max_sequence_length)
+            x, length = batching.pad_to_bucket(
+                x, batching.default_multiple(self), limit=self.max_sequence_length
+            )
         with checks.inputs_checked_on_host():
             out = super().predict_on_batch(x)
         if length is not None and length != x["padding_mask"].shape[-1]:

@@ -24,15 +24,25 @@ predictions are returned in input order).
 import keras
 import numpy as np
 
-from kbert.backend import is_tensorflow
+from kbert.backend import compiles_per_shape, is_tensorflow
 
-# Bucket lengths are multiples of this: 16 compiles at most 8 programs for
-# T = 128 and wastes at most 15 columns per batch (see benchmarks/RESULTS.md).
+# Bucket lengths are multiples of this where each new length is compiled or
+# captured: 16 compiles at most 8 programs for T = 128 and wastes at most 15
+# columns per batch (see benchmarks/RESULTS.md).
 MULTIPLE = 16
 # Inputs with a token axis (the last): cut to the bucket length.
 TOKEN_INPUTS = ("token_ids", "segment_ids", "padding_mask")
 # Chunk size, in batches, inside which `group_by_length` sorts.
 GROUP_CHUNK = 50
+
+
+def default_multiple(model=None):
+    """The multiple `bucket_lengths=True` means: `MULTIPLE` where a new
+    length costs a compilation or a CUDA-graph capture; 1 for eager torch
+    on a CPU, where nothing is compiled and each batch is cut to its
+    longest sequence, as transformers' dynamic padding does (faster there:
+    benchmarks/RESULTS.md)."""
+    return MULTIPLE if compiles_per_shape(model) else 1
 
 
 def bucket_length(longest, full, multiple=MULTIPLE):

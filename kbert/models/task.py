@@ -188,7 +188,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         batch order stays random), for less padding still.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
-        bucket_lengths = _multiple(bucket_lengths)
+        bucket_lengths = _multiple(bucket_lengths, self)
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
         if (
@@ -241,7 +241,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         """Keras `evaluate`, with `fit`'s input checks and length buckets
         (the batches of fixed-length padding, each cut to its bucket)."""
         a = _bind(keras.Model.evaluate, x, y, *args, **kwargs)
-        bucket_lengths = _multiple(bucket_lengths)
+        bucket_lengths = _multiple(bucket_lengths, self)
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
         if (
@@ -269,7 +269,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         padding (padding is masked), several times faster on short texts,
         and a compiled backend compiles once per bucket, not once per length.
         """
-        bucket_lengths = _multiple(bucket_lengths)
+        bucket_lengths = _multiple(bucket_lengths, self)
         x, _ = raw_text.convert(self, x, None, with_targets=False)
         x = self._prepare_inputs(x, 0 if self.token_outputs else bucket_lengths)
         # On torch with a GPU: the forward replayed as a CUDA graph per shape.
@@ -317,7 +317,9 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         if not isinstance(x, dict) or not batching.can_bucket(x):
             return super().predict_on_batch(x)
         checks.check_model_inputs(x, **self.input_limits())
-        padded, length = batching.pad_to_bucket(x, limit=self.backbone.max_sequence_length)
+        padded, length = batching.pad_to_bucket(
+            x, batching.default_multiple(self), limit=self.backbone.max_sequence_length
+        )
         with checks.inputs_checked_on_host():
             out = super().predict_on_batch(padded)
         if self.token_outputs and padded["padding_mask"].shape[-1] != length:
@@ -417,10 +419,10 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             self.optimizer.build(self.trainable_variables)
 
 
-def _multiple(bucket_lengths):
+def _multiple(bucket_lengths, model=None):
     """`bucket_lengths` (True, False or a multiple) -> the multiple, 0 for off."""
     if bucket_lengths is True:
-        return batching.MULTIPLE
+        return batching.default_multiple(model)
     if bucket_lengths is False or bucket_lengths is None:
         return 0
     if isinstance(bucket_lengths, int) and bucket_lengths > 0:

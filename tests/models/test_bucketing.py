@@ -167,6 +167,34 @@ def test_few_shapes_per_fit():
     model.train_step = train_step
     model.fit(x, y, batch_size=4, epochs=2, verbose=0)
     lengths = {shape[-1] for shape in shapes if shape[-1] is not None}  # None: one TF trace
-    assert all(length % batching.MULTIPLE == 0 or length == T for length in lengths)
+    multiple = batching.default_multiple(model)
+    assert all(length % multiple == 0 or length == T for length in lengths)
     # one program per bucket length, plus one for the final partial batch
-    assert len(shapes) <= len(lengths) + 1 and len(lengths) <= -(-T // batching.MULTIPLE)
+    assert len(shapes) <= len(lengths) + 1 and len(lengths) <= -(-T // multiple)
+
+
+def test_default_multiple_follows_what_a_new_length_costs():
+    """Buckets of 16 where each new length is compiled or captured (JAX,
+    TensorFlow, torch on a GPU or under torch.compile); on eager torch on a
+    CPU each batch is cut to its longest sequence."""
+    model, x, _, _ = task("classifier")
+    eager_torch_cpu = keras.backend.backend() == "torch" and not _cuda()
+    assert batching.default_multiple(model) == (1 if eager_torch_cpu else batching.MULTIPLE)
+    if keras.backend.backend() == "torch":
+        model.compile(optimizer="sgd", jit_compile=True)
+        assert batching.default_multiple(model) == batching.MULTIPLE
+    # predict_on_batch pads a batch to the default bucket and slices it back
+    cut = {k: v[:4, :11].copy() for k, v in x.items()}
+    cut["padding_mask"][:, :3] = 1  # every row keeps a real token
+    model.compile(optimizer="sgd")
+    out = model.predict_on_batch(cut)
+    full = {k: np.pad(v, ((0, 0), (0, T - 11))) for k, v in cut.items()}
+    np.testing.assert_allclose(out, keras.Model.predict_on_batch(model, full), atol=1e-5)
+
+
+def _cuda():
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.cuda.is_available()

@@ -445,29 +445,18 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
     parts = [batch(seed=s) for s in range(4)]
     x = {k: np.concatenate([p[0][k] for p in parts])[:14] for k in parts[0][0]}
     y = {k: np.concatenate([p[1][k] for p in parts])[:14] for k in parts[0][1]}
-    for _ in range(
-        2
-    ):  # with validation: the torch test_step makes Keras' constants on the device too
-        history = graphed.fit(
-            x,
-            y,
-            batch_size=2,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
-            validation_data=(x, y),
-            bucket_lengths=False,
-        ).history
-        reference = eager.fit(
-            x,
-            y,
-            batch_size=2,
-            epochs=1,
-            shuffle=False,
-            verbose=0,
-            validation_data=(x, y),
-            bucket_lengths=False,
-        ).history
+    # with validation: the torch test_step makes Keras' constants on the device too
+    fit = dict(
+        batch_size=2,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x, y),
+        bucket_lengths=False,
+    )
+    for _ in range(2):
+        history = graphed.fit(x, y, **fit).history
+        reference = eager.fit(x, y, **fit).history
         # 7 batches: 2 eager warm-up steps, the captured one, 4 replays
         assert graphed.cuda_graph_stats == {
             "replays": 5,

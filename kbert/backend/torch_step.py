@@ -438,13 +438,16 @@ def fit_context(model):
         return
     graph = getattr(model, "cuda_graph", "auto")
     sync = contextlib.nullcontext()
-    if graph and cuda_graph_supported(model, force=graph is True):
-        if not torch_ddp.active():
-            model.graphed_step = GraphedTrainStep(model)
-        elif torch_ddp.prepare_for_graphs(model):
+    distributed = torch_ddp.active()
+    if (
+        graph
+        and cuda_graph_supported(model, force=graph is True)
+        and (not distributed or torch_ddp.prepare_for_graphs(model))
+    ):
+        model.graphed_step = GraphedTrainStep(model)
+        if distributed:
             # DDP's backward hooks cannot be replayed: the graph holds the
             # gradient all-reduce after the backward pass (torch_ddp doc).
-            model.graphed_step = GraphedTrainStep(model)
             sync = torch_ddp.gradients_after_backward()
     try:
         with host_batches(), sync:

@@ -13,7 +13,9 @@ general distillation is representation-only, on sequences of the shipped
 corpora (wikitext-2 valid and Sherlock Holmes): cosine on the last hidden
 states (DistilBERT's `alpha_cos`) plus TinyBERT's hidden-state and
 attention-score MSE with its uniform layer map (student block m learns
-teacher block 2m). It runs once, before the seeds.
+teacher block 2m). It runs once, before the seeds. `--distill-task-text N`
+adds N unlabeled training texts of each task to that corpus (in-domain
+text, labels unused).
 
 Then, for every seed and task, four systems train on the same examples in
 the same order (AdamW, 10% warm-up, linear decay):
@@ -27,6 +29,10 @@ the same order (AdamW, 10% warm-up, linear decay):
                              `BertClassifier`s)
     student_task             (with --systems) task distillation of the
                              student as taken from the teacher
+`--transfer N` gives the task-distilled systems on SST-2 N more SST-2
+training sentences outside the labeled subset, without their labels
+(sample weight 0: the teacher's soft labels only, a transfer set as in
+TinyBERT's data augmentation); the other systems see the labeled subset.
 Scores: SST-2 dev accuracy (872), MRPC dev F1 (408). Results are written
 after every run (`--output`); `--time-limit` stops starting new runs.
 Current figures: benchmarks/RESULTS.md.
@@ -60,6 +66,12 @@ def parse_args(argv=None):
     p.add_argument("--corpora", nargs="+", default=["wikitext-2-valid.tokens.txt", "sherlock.txt"])
     p.add_argument("--layers", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument("--distill-sequences", type=int, default=0, help="0: every corpus chunk")
+    p.add_argument(
+        "--distill-task-text",
+        type=int,
+        default=0,
+        help="also distil on this many unlabeled training texts of each task (in-domain text)",
+    )
     p.add_argument("--distill-length", type=int, default=128)
     p.add_argument("--distill-epochs", type=int, default=3)
     p.add_argument("--distill-batch-size", type=int, default=32)
@@ -76,6 +88,13 @@ def parse_args(argv=None):
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--temperature", type=float, default=2.0, help="task distillation")
     p.add_argument("--alpha-ce", type=float, default=1.0, help="task distillation soft labels")
+    p.add_argument(
+        "--transfer",
+        type=int,
+        default=0,
+        help="task distillation on SST-2 also sees this many unlabeled SST-2 training "
+        "sentences outside the labeled subset (soft labels only: sample weight 0)",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--time-limit", type=float, default=None, help="seconds; no new run after")
     p.add_argument("--output", default=None)
@@ -133,6 +152,13 @@ def train(system, backbone, teacher_model, task, args, seed, data):
 
     keras.utils.set_random_seed(seed)
     x, y, dev_x, dev_y = data[task]
+    weights = np.ones(len(y), "float32")
+    if system.endswith("_task") and task in data.get("transfer", {}):
+        extra = data["transfer"][task]  # unlabeled: the teacher's soft labels only
+        n = len(next(iter(extra.values())))
+        x = {k: np.concatenate([v, extra[k]]) for k, v in x.items()}
+        y = np.concatenate([y, np.zeros(n, y.dtype)])
+        weights = np.concatenate([weights, np.zeros(n, "float32")])
     model = kbert.BertClassifier(backbone, num_classes=2)
     steps = args.epochs * -(-len(y) // args.batch_size)
     trainer = model
@@ -153,6 +179,7 @@ def train(system, backbone, teacher_model, task, args, seed, data):
         trainer.fit(
             {k: v[order] for k, v in x.items()},
             y[order],
+            sample_weight=weights[order] if system.endswith("_task") else None,
             batch_size=args.batch_size,
             shuffle=False,
             verbose=0,
@@ -183,7 +210,28 @@ def load_tasks(args, preprocessor):
 
         labels = np.asarray(train[2], "int64")[rows]
         data[task] = (encode(train, rows), labels, encode(dev), np.asarray(dev[2], "int64"))
+        unused = np.random.default_rng(0).permutation(len(train[0]))[len(rows) :]
+        if task == "sst2" and args.transfer:
+            data.setdefault("transfer", {})[task] = encode(train, unused[: args.transfer])
     return data
+
+
+def task_texts(args, preprocessor):
+    """Unlabeled training texts of each task, encoded at the distillation
+    length (sentence pairs as pairs): in-domain text for general distillation."""
+    from kbert.data.finetuning import glue_path, read_glue
+
+    preprocessor.sequence_length = args.distill_length
+    encoded = []
+    for task in args.tasks:
+        glue = os.path.join(args.data_dir, "glue")
+        texts, pairs, _ = read_glue(task, glue_path(task, glue, "train"))
+        rows = np.random.default_rng(1).permutation(len(texts))[: args.distill_task_text]
+        first = [texts[i] for i in rows]
+        second = None if pairs is None else [pairs[i] for i in rows]
+        out = preprocessor(first) if second is None else preprocessor(first, second)
+        encoded.append({k: np.asarray(v) for k, v in out.items()})
+    return {k: np.concatenate([e[k] for e in encoded]) for k in encoded[0]}
 
 
 def summarise(runs, tasks, systems):
@@ -224,6 +272,11 @@ def main(argv=None):
     chunks = [chunks[i] for i in order]
     preprocessor.sequence_length = args.distill_length
     corpus_x = {k: np.asarray(v) for k, v in preprocessor(chunks).items()}
+    if args.distill_task_text:
+        in_domain = task_texts(args, preprocessor)
+        corpus_x = {k: np.concatenate([v, in_domain[k]]) for k, v in corpus_x.items()}
+    sequences = len(corpus_x["token_ids"])
+    corpus_x = {k: v[np.random.default_rng(2).permutation(sequences)] for k, v in corpus_x.items()}
     student = kbert.BertBackbone.from_teacher(teacher, layers=args.layers)
     undistilled_weights = [np.array(w) for w in student.get_weights()]
     distiller = kbert.BertDistiller(
@@ -233,7 +286,7 @@ def main(argv=None):
         alpha_hidden=args.alpha_hidden,
         alpha_attention=args.alpha_attention,
     )
-    steps = args.distill_epochs * -(-len(chunks) // args.distill_batch_size)
+    steps = args.distill_epochs * -(-sequences // args.distill_batch_size)
     distiller.compile(learning_rate=args.distill_learning_rate, num_train_steps=steps)
     probe = {k: v[:256] for k, v in corpus_x.items()}  # losses before and after
     before = distiller.evaluate(probe, batch_size=64, verbose=0, return_dict=True)
@@ -244,7 +297,7 @@ def main(argv=None):
     distill_seconds = time.time() - start
     after = distiller.evaluate(probe, batch_size=64, verbose=0, return_dict=True)
     distilled_weights = [np.array(w) for w in student.get_weights()]
-    print(f"distilled {len(chunks)} sequences, {steps} steps, {distill_seconds:.0f} s", flush=True)
+    print(f"distilled {sequences} sequences, {steps} steps, {distill_seconds:.0f} s", flush=True)
 
     # --- the tasks ---------------------------------------------------------
     data = load_tasks(args, preprocessor)
@@ -264,7 +317,8 @@ def main(argv=None):
         "backend": keras.backend.backend(),
         "args": vars(args),
         "distillation": {
-            "sequences": len(chunks),
+            "sequences": sequences,
+            "corpus_chunks": len(chunks),
             "steps": steps,
             "seconds": round(distill_seconds, 1),
             "losses_before_on_first_256": {k: float(v) for k, v in before.items()},

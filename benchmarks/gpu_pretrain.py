@@ -26,6 +26,7 @@ followed by any of these switches:
     -cublas     matrix products through cuBLAS only, no Triton GEMMs (JAX)
     -cmdbuf     XLA command buffers (CUDA graphs) for every kind of op and any size (JAX)
     -nocmdbuf   no XLA command buffers (JAX)
+    -lhs        XLA's latency-hiding scheduler: gradient all-reduces overlap the backward pass (JAX)
     -nograph    torch: every step eager instead of a CUDA graph replay
     -kerasbatches  torch: batches put on the GPU by Keras' data adapters (blocking copies)
     -jit        torch: Keras' step through torch.compile instead of kbert's step
@@ -62,6 +63,14 @@ VARIANTS = (
     "hf-compile",
 )
 VOCAB = 30522
+
+
+def _is_ddp(variant):
+    return variant.endswith("-ddp") or "-ddp-" in variant
+
+
+def _multi_gpu(variant):
+    return _is_ddp(variant) or "-dp" in variant
 
 
 def train_flops_per_sequence(arch, t, p):
@@ -431,11 +440,15 @@ def main():
                     " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
                     " --xla_gpu_graph_min_graph_size=1"
                 )
+            if variant.endswith("-lhs"):  # collectives scheduled to overlap with compute
+                env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + (
+                    " --xla_gpu_enable_latency_hiding_scheduler=true"
+                )
             if variant.endswith("-nocmdbuf"):
                 env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
             steps = args.steps
             launcher = [sys.executable]
-            if variant.endswith("-ddp") or "-ddp-" in variant:
+            if _is_ddp(variant):
                 gpus = torch.cuda.device_count() or 2  # two CPU processes for a smoke test
                 launcher += ["-m", "torch.distributed.run", "--standalone"]
                 launcher += ["--nproc_per_node", str(gpus)]
@@ -466,12 +479,15 @@ def main():
                     raise RuntimeError((proc.stderr or proc.stdout)[-1500:])
                 r = json.loads(lines[-1][7:])
                 sps = r["sequences"] / r["seconds"]
+                # multi-GPU rows: the model FLOPs of all GPUs against all GPUs' peak
+                devices = max(torch.cuda.device_count(), 1) if _multi_gpu(variant) else 1
                 r.update(
                     config=config,
                     variant=variant,
+                    devices=devices,
                     seq_per_s=sps,
                     tflops=sps * flops / 1e12,
-                    mfu=sps * flops / 1e12 / peak if peak else None,
+                    mfu=sps * flops / 1e12 / peak / devices if peak else None,
                     wall_s=time.time() - started,
                 )
                 print(

@@ -233,6 +233,14 @@ class StudentForward(_Forward):
 _LOSSES = ("ce", "mlm", "task", "cos", "hidden", "attention")
 
 
+def _weighted_mean(losses, sample_weight):
+    """Mean of `losses` over their weights (the plain mean without weights)."""
+    if sample_weight is None:
+        return ops.mean(losses)
+    weights = ops.cast(ops.reshape(sample_weight, ops.shape(losses)), "float32")
+    return ops.sum(losses * weights) / (ops.sum(weights) + 1e-5)
+
+
 @keras.saving.register_keras_serializable(package="kbert")
 class BertDistiller(Task):
     """A frozen teacher training a student in `fit`, on every backend.
@@ -250,7 +258,10 @@ class BertDistiller(Task):
       (task distillation): soft labels (`alpha_ce`; for a regression
       classifier the squared difference of the predictions) and the task's
       label loss (`alpha_task`) on the task's targets, and the
-      representation losses.
+      representation losses. The label loss is the mean over
+      `sample_weight` where `fit` gets one: examples of weight 0 (text
+      without labels, a transfer set as in TinyBERT's augmentation) learn
+      from the teacher's soft labels only.
 
     Losses (see `kbert.training.distillation`): `ce` KL divergence at
     temperature T, times T^2; `cos` 1 - cosine of the last hidden states per
@@ -530,7 +541,7 @@ class BertDistiller(Task):
                 terms["ce"] = ops.mean(ops.square(teacher - student))
             if "task" in self.active:
                 target = ops.reshape(ops.cast(y, "float32"), (-1,))
-                terms["task"] = ops.mean(ops.square(student[:, 0] - target))
+                terms["task"] = _weighted_mean(ops.square(student[:, 0] - target), sample_weight)
             return terms
         weights = x["padding_mask"] if self.family == "token" else None
         if "ce" in self.active:
@@ -549,13 +560,9 @@ class BertDistiller(Task):
             start = ops.mean(cross_entropy(y["start_positions"], logits[:, 0]))
             end = ops.mean(cross_entropy(y["end_positions"], logits[:, 1]))
             return (start + end) / 2.0
-        losses = cross_entropy(y, logits)
-        if self.family == "token":
-            # as BertTokenClassifier: only the weighted pieces count
-            weights = sample_weight if sample_weight is not None else ops.ones_like(losses)
-            weights = ops.cast(weights, "float32")
-            return ops.sum(losses * weights) / (ops.sum(weights) + 1e-5)
-        return ops.mean(losses)
+        # token family as BertTokenClassifier: only the weighted pieces count;
+        # sequence family: an example of weight 0 is taught by soft targets only
+        return _weighted_mean(cross_entropy(y, logits), sample_weight)
 
     def compile(
         self,

@@ -193,6 +193,27 @@ def test_task_distillation_losses_match_numpy():
         assert abs(logs[name] - number) <= 1e-4 * max(1.0, abs(number)), name
 
 
+def test_task_label_loss_follows_sample_weight():
+    """Weight 0 marks an unlabeled example (a transfer set): the label loss is
+    the mean over the weighted examples, the soft-target loss covers all."""
+    teacher = kbert.BertClassifier(kbert.BertBackbone(**SMALL), num_classes=3)
+    student = kbert.BertClassifier(kbert.BertBackbone(**{**SMALL, "num_layers": 1}), num_classes=3)
+    distiller = kbert.BertDistiller(teacher, student, alpha_ce=1.0, alpha_task=1.0, alpha_cos=0.0)
+    x = harness.backbone_inputs(4, 8, SMALL["vocabulary_size"])
+    labels = np.array([0, 2, 1, 1])
+    weights = np.array([1.0, 0.0, 3.0, 0.0], "float32")
+    distiller.compile()
+    outputs = distiller(x, training=False)
+    terms = distiller.distillation_losses(x, labels, outputs, weights)
+    ce = -np_log_softmax(harness.to_numpy(outputs)["student_logits"])[np.arange(4), labels]
+    assert abs(value(terms["task"]) - (ce[0] + 3 * ce[2]) / 4) <= 1e-4
+    unweighted = distiller.distillation_losses(x, labels, outputs)
+    assert abs(value(unweighted["task"]) - ce.mean()) <= 1e-4
+    assert abs(value(terms["ce"]) - value(unweighted["ce"])) <= 1e-6
+    history = distiller.fit(x, labels, sample_weight=weights, batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["task_loss"][0])
+
+
 def test_token_and_span_distillation_losses():
     x = harness.backbone_inputs(4, 8, SMALL["vocabulary_size"])
     for cls, kwargs, y in [

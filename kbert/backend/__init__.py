@@ -33,6 +33,18 @@ def is_tensorflow():
     return keras.backend.backend() == "tensorflow"
 
 
+def jax_on_accelerator():
+    """Whether JAX runs on a GPU or TPU. There a new shape costs seconds of
+    XLA compilation of the training step, while a fine-tuning step at batch
+    sizes such as 32 takes about the same time at any length: one shape per
+    `fit` is faster than length buckets (benchmarks/RESULTS.md)."""
+    if not is_jax():
+        return False
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
 def compiles_per_shape(model=None):
     """Whether a new input shape costs a compilation or a capture: XLA on
     JAX and TensorFlow, CUDA graphs on torch with a GPU, torch.compile

@@ -24,7 +24,7 @@ predictions are returned in input order).
 import keras
 import numpy as np
 
-from kbert.backend import compiles_per_shape, is_tensorflow
+from kbert.backend import compiles_per_shape, is_tensorflow, jax_on_accelerator
 
 # Bucket lengths are multiples of this where each new length is compiled or
 # captured: 16 compiles at most 8 programs for T = 128 and wastes at most 15
@@ -43,6 +43,20 @@ def default_multiple(model=None):
     longest sequence, as transformers' dynamic padding does (faster there:
     benchmarks/RESULTS.md)."""
     return MULTIPLE if compiles_per_shape(model) else 1
+
+
+def training_multiple(model, x):
+    """The multiple `bucket_lengths=True` means in `fit` and `evaluate`.
+
+    JAX on a GPU or TPU: one shape for the whole call, the longest
+    sequence of `x` rounded up to `MULTIPLE` (each bucket would compile the
+    training step again, for steps that cost about the same at any length:
+    benchmarks/RESULTS.md). Elsewhere `default_multiple(model)`.
+    """
+    if jax_on_accelerator() and can_bucket(x):
+        full = np.shape(x["padding_mask"])[-1]
+        return bucket_length(int(np.max(extents(x["padding_mask"]), initial=1)), full)
+    return default_multiple(model)
 
 
 def bucket_length(longest, full, multiple=MULTIPLE):

@@ -182,14 +182,17 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         batch of host arrays or of a batched `tf.data` dataset is cut to
         its longest sequence rounded up to a multiple of 16 (see
         `kbert.models.batching`): the same losses as padding to the full
-        length, for a fraction of the work. Not with `validation_split`,
+        length, for a fraction of the work. On JAX with a GPU or TPU,
+        host arrays are cut to one length instead, their longest sequence
+        rounded up to 16 (one compilation of the step); pass
+        `bucket_lengths=16` for buckets there. Not with `validation_split`,
         `class_weight` or `steps_per_epoch` (Keras' own batching then).
         `group_by_length`: batch examples of similar length together (the
         batch order stays random), for less padding still.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
-        bucket_lengths = _multiple(bucket_lengths, self)
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
+        bucket_lengths = _multiple(bucket_lengths, self, a["x"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
         if (
             bucket_lengths
@@ -241,8 +244,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         """Keras `evaluate`, with `fit`'s input checks and length buckets
         (the batches of fixed-length padding, each cut to its bucket)."""
         a = _bind(keras.Model.evaluate, x, y, *args, **kwargs)
-        bucket_lengths = _multiple(bucket_lengths, self)
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
+        bucket_lengths = _multiple(bucket_lengths, self, a["x"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
         if (
             bucket_lengths
@@ -419,9 +422,13 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             self.optimizer.build(self.trainable_variables)
 
 
-def _multiple(bucket_lengths, model=None):
-    """`bucket_lengths` (True, False or a multiple) -> the multiple, 0 for off."""
+def _multiple(bucket_lengths, model=None, training_inputs=None):
+    """`bucket_lengths` (True, False or a multiple) -> the multiple, 0 for off.
+    With `training_inputs` (`fit`, `evaluate`), True is
+    `batching.training_multiple` of them."""
     if bucket_lengths is True:
+        if training_inputs is not None:
+            return batching.training_multiple(model, training_inputs)
         return batching.default_multiple(model)
     if bucket_lengths is False or bucket_lengths is None:
         return 0

@@ -173,6 +173,35 @@ def test_few_shapes_per_fit():
     assert len(shapes) <= len(lengths) + 1 and len(lengths) <= -(-T // multiple)
 
 
+def test_jax_on_an_accelerator_fits_one_shape(monkeypatch):
+    """Where a new shape recompiles the step for no faster steps (JAX on a
+    GPU or TPU), `fit` and `evaluate` cut every batch to one length: the
+    longest sequence of the data rounded up to 16. Forced here on any
+    backend; the rule is the same code on each."""
+    monkeypatch.setattr(batching, "jax_on_accelerator", lambda: True)
+    model, x, y, _ = task("classifier")
+    assert 16 < x["padding_mask"].sum(-1).max() <= 32
+    assert batching.training_multiple(model, x) == 32  # rounded up to 16
+    short = {k: v[:, :24].copy() for k, v in x.items()}  # inputs padded to 24
+    short["padding_mask"][:, 20:] = 0
+    assert batching.training_multiple(model, short) == 24  # 20 -> 32, at most 24
+    short["padding_mask"][:, 16:] = 0
+    assert batching.training_multiple(model, short) == 16
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    lengths = []
+    original = model.train_step
+
+    def train_step(*args):  # (data) or, on JAX, (state, data)
+        lengths.append(args[-1][0]["token_ids"].shape[-1])
+        return original(*args)
+
+    model.train_step = train_step
+    model.fit(short, y, batch_size=4, epochs=1, verbose=0)
+    assert set(lengths) <= {16, None}  # None: one TF trace of unknown length
+    monkeypatch.setattr(batching, "jax_on_accelerator", lambda: False)
+    assert batching.training_multiple(model, short) == batching.default_multiple(model)
+
+
 def test_default_multiple_follows_what_a_new_length_costs():
     """Buckets of 16 where each new length is compiled or captured (JAX,
     TensorFlow, torch on a GPU or under torch.compile); on eager torch on a

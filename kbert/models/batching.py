@@ -30,6 +30,9 @@ from kbert.backend import compiles_per_shape, is_tensorflow, jax_on_accelerator
 # captured: 16 compiles at most 8 programs for T = 128 and wastes at most 15
 # columns per batch (see benchmarks/RESULTS.md).
 MULTIPLE = 16
+# JAX on a GPU or TPU compiles each length for seconds: `predict` there
+# buckets to multiples of 64 (two programs for T = 128).
+ACCELERATOR_MULTIPLE = 64
 # Inputs with a token axis (the last): cut to the bucket length.
 TOKEN_INPUTS = ("token_ids", "segment_ids", "padding_mask")
 # Chunk size, in batches, inside which `group_by_length` sorts.
@@ -40,8 +43,11 @@ def default_multiple(model=None):
     """The multiple `bucket_lengths=True` means: `MULTIPLE` where a new
     length costs a compilation or a CUDA-graph capture; 1 for eager torch
     on a CPU, where nothing is compiled and each batch is cut to its
-    longest sequence, as transformers' dynamic padding does (faster there:
-    benchmarks/RESULTS.md)."""
+    longest sequence, as transformers' dynamic padding does;
+    `ACCELERATOR_MULTIPLE` for JAX on a GPU or TPU, where each compilation
+    costs seconds (both faster there: benchmarks/RESULTS.md)."""
+    if jax_on_accelerator():
+        return ACCELERATOR_MULTIPLE
     return MULTIPLE if compiles_per_shape(model) else 1
 
 

@@ -198,8 +198,11 @@ def test_jax_on_an_accelerator_fits_one_shape(monkeypatch):
     model.train_step = train_step
     model.fit(short, y, batch_size=4, epochs=1, verbose=0)
     assert set(lengths) <= {16, None}  # None: one TF trace of unknown length
+    # predict there: buckets of 64 (fewer compilations than 16)
+    assert batching.default_multiple(model) == batching.ACCELERATOR_MULTIPLE == 64
     monkeypatch.setattr(batching, "jax_on_accelerator", lambda: False)
     assert batching.training_multiple(model, short) == batching.default_multiple(model)
+    assert batching.default_multiple(model) in (1, batching.MULTIPLE)
 
 
 def test_default_multiple_follows_what_a_new_length_costs():

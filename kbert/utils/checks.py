@@ -28,7 +28,11 @@ def is_concrete(x):
     if backend == "torch":
         import torch
 
-        return isinstance(x, torch.Tensor) and not torch.compiler.is_compiling()
+        return (
+            isinstance(x, torch.Tensor)
+            and not torch.compiler.is_compiling()
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        )
     return False
 
 

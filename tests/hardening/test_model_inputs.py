@@ -110,3 +110,31 @@ def test_good_inputs_still_run(models):
     assert out.shape == (4, 2) and np.isfinite(out).all()
     direct = keras.ops.convert_to_numpy(models["classifier"](good()))
     np.testing.assert_allclose(direct, out, atol=1e-5)
+
+
+def test_checked_inputs_are_not_read_again_on_the_device(models, monkeypatch):
+    """fit / predict check inputs on the host once; the embeddings layer then
+    reads no device values (on torch that read synchronises every batch and
+    breaks the CUDA-graph capture of predict). A direct call still checks."""
+    from kbert.utils import checks
+
+    reads = []
+    original = checks.check_token_ids
+
+    def counting(*args, **kwargs):
+        reads.append(args[-1] if len(args) > 2 else "token_ids")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(checks, "check_token_ids", counting)
+    x = good()
+    models["classifier"].predict(x, verbose=0)
+    models["backbone"].predict(x, verbose=0)
+    assert reads == []
+    bad = {**x, "token_ids": x["token_ids"].copy()}
+    bad["token_ids"][0, 0] = V
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        models["backbone"].get_layer("embeddings")(
+            keras.ops.convert_to_tensor(bad["token_ids"]),
+            keras.ops.convert_to_tensor(bad["segment_ids"]),
+        )
+    assert reads

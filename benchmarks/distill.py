@@ -21,7 +21,8 @@ before the seeds. `--distill-task-text N` adds N unlabeled training texts
 of each task to that corpus (in-domain text, labels unused).
 
 Then, for every seed and task, five systems train on the same labeled
-examples in the same order (AdamW, 10% warm-up, linear decay):
+examples (AdamW, 10% warm-up, linear decay; the systems without task
+distillation in the same order):
     teacher                  the teacher, fine-tuned
     student_not_distilled    the student as taken from the teacher, fine-tuned
     distilled_student        the general-distilled student, fine-tuned
@@ -35,7 +36,9 @@ examples in the same order (AdamW, 10% warm-up, linear decay):
 The task-distilled systems on SST-2 also see `--transfer` (8,000) more SST-2
 training sentences outside the labeled subset, without their labels
 (sample weight 0: the teacher's soft labels only, a transfer set as in
-TinyBERT's data augmentation); MRPC has no unused training pairs.
+TinyBERT's data augmentation), shuffled in with the labeled ones: twice
+the steps per epoch of the other systems there. MRPC has no unused
+training pairs.
 Scores: SST-2 dev accuracy (872), MRPC dev F1 (408). Results are written
 after every run (`--output`); `--time-limit` stops starting new runs.
 Current figures: benchmarks/RESULTS.md.

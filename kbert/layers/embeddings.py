@@ -159,9 +159,9 @@ class BertEmbeddings(keras.layers.Layer):
     def call(self, token_ids, segment_ids, training=None):
         length = ops.shape(token_ids)[1]
         checks.check_sequence_length(length, self.max_sequence_length)
-        # direct calls on concrete values; the models' fit / predict checked
-        # their inputs on the host (a read here syncs, and breaks a CUDA graph)
-        if not training and not checks.host_checked() and checks.is_concrete(token_ids):
+        # eager inference on concrete values (not while a CUDA graph is
+        # captured: `is_concrete` is False there, a device read would break it)
+        if not training and checks.is_concrete(token_ids):
             checks.check_token_ids(token_ids, self.vocabulary_size)
             checks.check_token_ids(segment_ids, self.type_vocab_size, "segment_ids")
         table = ops.cast(self.position_embeddings, self.compute_dtype)

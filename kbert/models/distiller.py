@@ -439,6 +439,12 @@ class BertDistiller(Task):
         self.score_pairs = score_pairs
         self.loss_trackers = {k: keras.metrics.Mean(name=f"{k}_loss") for k in active}
 
+    @property
+    def token_targets(self):
+        """A tagger's labels and weights are per token: length buckets cut
+        them with the inputs."""
+        return getattr(self, "family", None) == "token"
+
     def task_config(self):
         return {
             "temperature": self.temperature,
@@ -557,8 +563,8 @@ class BertDistiller(Task):
             )
 
         if self.family == "span":
-            start = ops.mean(cross_entropy(y["start_positions"], logits[:, 0]))
-            end = ops.mean(cross_entropy(y["end_positions"], logits[:, 1]))
+            start = _weighted_mean(cross_entropy(y["start_positions"], logits[:, 0]), sample_weight)
+            end = _weighted_mean(cross_entropy(y["end_positions"], logits[:, 1]), sample_weight)
             return (start + end) / 2.0
         # token family as BertTokenClassifier: only the weighted pieces count;
         # sequence family: an example of weight 0 is taught by soft targets only

@@ -184,8 +184,9 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         `kbert.models.batching`): the same losses as padding to the full
         length, for a fraction of the work. On JAX with a GPU or TPU,
         host arrays are cut to one length instead, their longest sequence
-        rounded up to 16 (one compilation of the step); pass
-        `bucket_lengths=16` for buckets there. Not with `validation_split`,
+        rounded up to 16 (one compilation of the step), and `tf.data`
+        batches to multiples of 64; pass `bucket_lengths=16` for buckets
+        of 16 there. Not with `validation_split`,
         `class_weight` or `steps_per_epoch` (Keras' own batching then).
         `group_by_length`: batch examples of similar length together (the
         batch order stays random), for less padding still.

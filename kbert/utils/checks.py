@@ -12,6 +12,14 @@ import numpy as np
 from kbert import backend as kbert_backend
 
 
+def cuda_graph_capturing(x):
+    """Whether torch is capturing a CUDA graph on `x`'s device (a device
+    read then invalidates the capture)."""
+    import torch
+
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def is_concrete(x):
     """True if `x` holds values we can read without tracing or graph mode."""
     if isinstance(x, np.ndarray):
@@ -31,7 +39,7 @@ def is_concrete(x):
         return (
             isinstance(x, torch.Tensor)
             and not torch.compiler.is_compiling()
-            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+            and not cuda_graph_capturing(x)
         )
     return False
 

@@ -240,6 +240,19 @@ def test_token_and_span_distillation_losses():
             expected_ce = 4.0 * kl.sum() / (kl.size + 1e-5)
         assert abs(float(terms["ce"]) - expected_ce) < 1e-4, cls.__name__
         assert np.isfinite(float(terms["task"]))
+        if cls is kbert.BertQuestionAnswerer:  # weight 0: soft labels only
+            weights = np.array([1.0, 0.0, 1.0, 1.0], "float32")
+            weighted = harness.to_numpy(distiller.distillation_losses(x, y, out, weights))
+            s_log = np_log_softmax(logits["student_logits"])  # (4, 2, 8)
+            ce = [-s_log[np.arange(4), i, y[k]] for i, k in enumerate(y)]
+            expected = sum((c * weights).sum() / weights.sum() for c in ce) / 2
+            assert abs(float(weighted["task"]) - expected) <= 1e-5 * max(1.0, abs(expected))
+        # fit cuts per-token labels with the inputs (length buckets of 8 here)
+        padded = {k: np.pad(v, ((0, 0), (0, 8))) for k, v in x.items()}
+        targets = y if isinstance(y, dict) else np.pad(y, ((0, 0), (0, 8)))
+        distiller.compile()
+        history = distiller.fit(padded, targets, batch_size=4, bucket_lengths=8, verbose=0)
+        assert np.isfinite(history.history["loss"][0]), cls.__name__
 
 
 def test_bad_arguments_are_named():

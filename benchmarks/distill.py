@@ -194,49 +194,54 @@ def train(system, backbone, teacher_model, task, args, seed, data):
     return {**score(model, task, dev_x, dev_y), "train_s": round(seconds, 1)}, model
 
 
-def load_tasks(args, preprocessor):
+def read_split(args, task, split):
+    """(texts, pairs or None, labels) of a shipped GLUE split."""
     from kbert.data.finetuning import glue_path, read_glue
 
+    return read_glue(task, glue_path(task, os.path.join(args.data_dir, "glue"), split))
+
+
+def encode(preprocessor, split, rows=None):
+    """Model inputs of a split's texts (its sentence pairs as pairs), or of
+    the examples `rows` of it."""
+    texts, pairs = split[0], split[1]
+    if rows is not None:
+        texts = [texts[i] for i in rows]
+        pairs = None if pairs is None else [pairs[i] for i in rows]
+    out = preprocessor(texts) if pairs is None else preprocessor(texts, pairs)
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def load_tasks(args, preprocessor):
     data = {}
     for task in args.tasks:
-        glue = os.path.join(args.data_dir, "glue")
-        train = read_glue(task, glue_path(task, glue, "train"))
-        dev = read_glue(task, glue_path(task, glue, "dev"))
+        train, dev = read_split(args, task, "train"), read_split(args, task, "dev")
         limit = args.sst2_train if task == "sst2" else args.mrpc_train
-        rows = np.random.default_rng(0).permutation(len(train[0]))
-        rows = rows[:limit] if limit else rows
+        order = np.random.default_rng(0).permutation(len(train[0]))
+        rows = order[:limit] if limit else order
         preprocessor.sequence_length = 64 if task == "sst2" else 128
-
-        def encode(split, rows=None):
-            texts = split[0] if rows is None else [split[0][i] for i in rows]
-            if split[1] is None:
-                return {k: np.asarray(v) for k, v in preprocessor(texts).items()}
-            pairs = split[1] if rows is None else [split[1][i] for i in rows]
-            return {k: np.asarray(v) for k, v in preprocessor(texts, pairs).items()}
-
         labels = np.asarray(train[2], "int64")[rows]
-        data[task] = (encode(train, rows), labels, encode(dev), np.asarray(dev[2], "int64"))
-        unused = np.random.default_rng(0).permutation(len(train[0]))[len(rows) :]
+        data[task] = (
+            encode(preprocessor, train, rows),
+            labels,
+            encode(preprocessor, dev),
+            np.asarray(dev[2], "int64"),
+        )
         if task == "sst2" and args.transfer:
-            data.setdefault("transfer", {})[task] = encode(train, unused[: args.transfer])
+            unused = order[len(rows) :][: args.transfer]
+            data.setdefault("transfer", {})[task] = encode(preprocessor, train, unused)
     return data
 
 
 def task_texts(args, preprocessor):
     """Unlabeled training texts of each task, encoded at the distillation
     length (sentence pairs as pairs): in-domain text for general distillation."""
-    from kbert.data.finetuning import glue_path, read_glue
-
     preprocessor.sequence_length = args.distill_length
     encoded = []
     for task in args.tasks:
-        glue = os.path.join(args.data_dir, "glue")
-        texts, pairs, _ = read_glue(task, glue_path(task, glue, "train"))
-        rows = np.random.default_rng(1).permutation(len(texts))[: args.distill_task_text]
-        first = [texts[i] for i in rows]
-        second = None if pairs is None else [pairs[i] for i in rows]
-        out = preprocessor(first) if second is None else preprocessor(first, second)
-        encoded.append({k: np.asarray(v) for k, v in out.items()})
+        train = read_split(args, task, "train")
+        rows = np.random.default_rng(1).permutation(len(train[0]))[: args.distill_task_text]
+        encoded.append(encode(preprocessor, train, rows))
     return {k: np.concatenate([e[k] for e in encoded]) for k in encoded[0]}
 
 

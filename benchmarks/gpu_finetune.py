@@ -17,6 +17,20 @@ Tasks (data from ../shared/data, or --data-dir):
            predict 16,384 training sentences at batch 128.
     conll  CoNLL-2003 train (14,041 sentences): token classification, one
            epoch, labels on the first piece of each word.
+    xquad  XQuAD English (1,190 SQuAD v1.1 questions over 240 contexts, the
+           first answer of each): extractive question answering, one epoch
+           at sequence length 384 with doc stride 128. A long context becomes
+           several windows (features), and both sides batch 32 windows, not
+           32 questions: kbert's `fit((questions, contexts), answers)` windows
+           every question first (the original run_squad rule: window starts
+           128 tokens apart) and shuffles the windows; transformers' side
+           windows them as its run_qa does (fast tokenizer, stride=128: 128
+           tokens of overlap; 1,219 windows against kbert's 1,232 here),
+           labels each with the answer's first and last token, or [CLS] where
+           the window lacks the answer, and batches them in a seeded order,
+           each batch padded to its longest. Both inside the timed fit.
+           `fit_examples_per_second` counts questions per second;
+           `train_features` is the number of windows trained on. No predict.
     padded inference on batches a user padded: SST-2 dev (872 sentences),
            batches of 32 tokenized by transformers' fast tokenizer padded to
            their longest, through the backbone's `predict_on_batch` (kbert)
@@ -65,8 +79,9 @@ SYSTEMS = (
     "hf-eager",
     "hf-compile",
 )
-TASKS = ("sst2", "conll", "padded")
+TASKS = ("sst2", "conll", "xquad", "padded")
 BATCH, PREDICT_BATCH, LENGTH, LR = 32, 128, 128, 2e-5
+QA_LENGTH, QA_STRIDE = 384, 128  # xquad: window length, doc stride
 HF_SIZES = {  # transformers BertConfig of each kbert architecture
     "bert_base": {},
     "bert_tiny": dict(
@@ -90,6 +105,16 @@ def load(task, data_dir, limit):
             rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]
         rows = rows[:limit] if limit else rows
         return [r[0] for r in rows], [int(r[1]) for r in rows]
+    if task == "xquad":  # (questions, contexts), first answers
+        with open(os.path.join(data_dir, "squad", "xquad.en.json"), encoding="utf-8") as f:
+            rows = [
+                (qa["question"], paragraph["context"], qa["answers"][0])
+                for article in json.load(f)["data"]
+                for paragraph in article["paragraphs"]
+                for qa in paragraph["qas"]
+            ]
+        questions, contexts, answers = (list(c) for c in zip(*(rows[:limit] if limit else rows)))
+        return (questions, contexts), answers
     sentences, tags, words, labels = [], [], [], []
     with open(os.path.join(data_dir, "conll2003", "eng.train"), encoding="utf-8") as f:
         for line in f:
@@ -113,7 +138,17 @@ def load(task, data_dir, limit):
 
 
 def num_labels(task, labels):
-    return 2 if task == "sst2" else 1 + max(max(t) for t in labels)
+    # xquad: transformers' start and end logits (kbert's question answerer has no classes)
+    return 2 if task in ("sst2", "xquad") else 1 + max(max(t) for t in labels)
+
+
+def fit_result(examples, start, built, trained):
+    return {
+        "train_examples": examples,
+        "fit_seconds": trained - built,
+        "fit_examples_per_second": examples / (trained - built),
+        "build_seconds": built - start,
+    }
 
 
 def run_kbert(task, bucket_lengths, args):
@@ -126,27 +161,30 @@ def run_kbert(task, bucket_lengths, args):
     texts, labels = load(task, args.data_dir, args.max_train)
     start = time.perf_counter()
     dtype = "mixed_bfloat16" if args.precision == "bf16" else "float32"
-    cls = kbert.BertClassifier if task == "sst2" else kbert.BertTokenClassifier
+    cls = {
+        "sst2": kbert.BertClassifier,
+        "conll": kbert.BertTokenClassifier,
+        "xquad": kbert.BertQuestionAnswerer,  # doc_stride=128 by default
+    }[task]
+    head = {} if task == "xquad" else {"num_classes": num_labels(task, labels)}
+    length = QA_LENGTH if task == "xquad" else LENGTH
     if args.preset:
-        model = cls.from_preset(args.preset, num_classes=num_labels(task, labels), dtype=dtype)
-        model.preprocessor.sequence_length = LENGTH
+        model = cls.from_preset(args.preset, dtype=dtype, **head)
+        model.preprocessor.sequence_length = length
     else:
         tokenizer = kbert.BertTokenizer(vocab_file(args), lowercase=True)
-        preprocessor = kbert.BertPreprocessor(tokenizer, LENGTH)
+        preprocessor = kbert.BertPreprocessor(tokenizer, length)
         backbone = kbert.BertBackbone.from_architecture(
             args.architecture, vocabulary_size=30522, dtype=dtype
         )
-        model = cls(backbone, num_classes=num_labels(task, labels), preprocessor=preprocessor)
+        model = cls(backbone, preprocessor=preprocessor, **head)
     model.compile(learning_rate=LR)
     built = time.perf_counter()
     model.fit(texts, labels, batch_size=BATCH, epochs=1, verbose=0, bucket_lengths=bucket_lengths)
     trained = time.perf_counter()
-    result = {
-        "train_examples": len(texts),
-        "fit_seconds": trained - built,
-        "fit_examples_per_second": len(texts) / (trained - built),
-        "build_seconds": built - start,
-    }
+    result = fit_result(len(labels), start, built, trained)
+    if task == "xquad":  # counted after the timing
+        result["train_features"] = len(model.prepare_features(*texts).example_index)
     stats = getattr(model, "cuda_graph_stats", None)
     if stats:
         result["cuda_graph"] = stats
@@ -168,12 +206,51 @@ def autocast(device, args):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
 
+def qa_windows(texts, answers, tokenizer):
+    """(questions, contexts), answers -> every window of each question as
+    transformers' run_qa makes them: their token lists, and (first, last)
+    token of the answer, or (0, 0) ([CLS]) where the window lacks it."""
+    enc = tokenizer(
+        *texts,
+        truncation="only_second",
+        max_length=QA_LENGTH,
+        stride=QA_STRIDE,
+        return_overflowing_tokens=True,
+        return_offsets_mapping=True,
+    )
+    positions = []
+    for w, offsets in enumerate(enc["offset_mapping"]):
+        answer = answers[enc["overflow_to_sample_mapping"][w]]
+        first, last = answer["answer_start"], answer["answer_start"] + len(answer["text"])
+        context = [k for k, s in enumerate(enc.sequence_ids(w)) if s == 1]
+        inside = offsets[context[0]][0] <= first and offsets[context[-1]][1] >= last
+        positions.append(
+            (
+                max(k for k in context if offsets[k][0] <= first),
+                min(k for k in context if offsets[k][1] >= last),
+            )
+            if inside
+            else (0, 0)
+        )
+    return {k: enc[k] for k in ("input_ids", "token_type_ids", "attention_mask")}, positions
+
+
 def hf_batches(task, texts, labels, tokenizer, order):
     import torch
 
     for start in range(0, len(order), BATCH):
         rows = order[start : start + BATCH]
-        if task == "sst2":
+        if task == "xquad":  # windows from `qa_windows`, padded to their longest
+            longest = max(len(texts["input_ids"][i]) for i in rows)
+            pad = {"input_ids": tokenizer.pad_token_id}
+            enc = {
+                k: torch.tensor([v[i] + [pad.get(k, 0)] * (longest - len(v[i])) for i in rows])
+                for k, v in texts.items()
+            }
+            enc["start_positions"], enc["end_positions"] = torch.tensor(
+                [labels[i] for i in rows]
+            ).unbind(1)
+        elif task == "sst2":
             enc = tokenizer(
                 [texts[i] for i in rows],
                 truncation=True,
@@ -210,11 +287,11 @@ def run_hf(task, compiled, args):
     torch.manual_seed(0)
     texts, labels = load(task, args.data_dir, args.max_train)
     start = time.perf_counter()
-    cls = (
-        transformers.BertForSequenceClassification
-        if task == "sst2"
-        else transformers.BertForTokenClassification
-    )
+    cls = {
+        "sst2": transformers.BertForSequenceClassification,
+        "conll": transformers.BertForTokenClassification,
+        "xquad": transformers.BertForQuestionAnswering,
+    }[task]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.preset:
         tokenizer = transformers.BertTokenizerFast.from_pretrained(args.preset)
@@ -231,7 +308,10 @@ def run_hf(task, compiled, args):
     forward = torch.compile(model, dynamic=True) if compiled else model
     built = time.perf_counter()
     model.train()
-    order = np.random.default_rng(0).permutation(len(texts))
+    examples = labels
+    if task == "xquad":  # batches of windows, like kbert's
+        texts, labels = qa_windows(texts, labels, tokenizer)
+    order = np.random.default_rng(0).permutation(len(labels))
     for enc in hf_batches(task, texts, labels, tokenizer, order):
         enc = {k: v.to(device, non_blocking=True) for k, v in enc.items()}
         with autocast(device, args):
@@ -243,12 +323,9 @@ def run_hf(task, compiled, args):
     if device == "cuda":
         torch.cuda.synchronize()
     trained = time.perf_counter()
-    result = {
-        "train_examples": len(texts),
-        "fit_seconds": trained - built,
-        "fit_examples_per_second": len(texts) / (trained - built),
-        "build_seconds": built - start,
-    }
+    result = fit_result(len(examples), start, built, trained)
+    if task == "xquad":
+        result["train_features"] = len(labels)
     if task == "sst2":
         model.eval()
         sample = texts[: args.predict]
@@ -388,6 +465,8 @@ def main():
         "precision": args.precision,
         "batch": BATCH,
         "sequence_length": LENGTH,
+        "qa_sequence_length": QA_LENGTH,
+        "doc_stride": QA_STRIDE,
         "learning_rate": LR,
         "runs": {},
     }

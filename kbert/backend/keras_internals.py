@@ -352,3 +352,16 @@ def jax_variables_kept_on_error(model):
             if variable._value is None and value is not None:
                 variable._value = value
         raise
+
+
+def jax_step_state(model, kind="train"):
+    """The state Keras' JAX `fit` passes its jitted `train_step` ("train")
+    or `test_step` ("test"): (trainable, non-trainable, optimizer,
+    metrics) variable values, without the optimizer's for "test"
+    (`JAXTrainer._get_jax_state`, Keras 3.12-3.15)."""
+    return model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=kind == "train",
+        metrics_variables=True,
+    )

@@ -222,6 +222,17 @@ class BucketedBatches(BatchList):
             self.sample_weight,
         )
 
+    def shape_key(self, index):
+        """What fixes the shapes of batch `index`: (rows, bucket length)."""
+        return (len(self.batches[index]), self.batch_lengths[index])
+
+    def first_of_each_shape(self):
+        """Index of the first batch of each distinct shape, in batch order."""
+        first = {}
+        for index in range(len(self.batches)):
+            first.setdefault(self.shape_key(index), index)
+        return sorted(first.values())
+
     def on_epoch_end(self):
         self.epochs += 1
         if self.shuffle:

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 
 from kbert import backend
-from kbert.backend import keras_internals
+from kbert.backend import jax_compile, keras_internals
 from kbert.backend import tensorflow as tf_backend
 from kbert.layers.adapters import train_only_adapters
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
@@ -227,6 +227,17 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             validation = raw_text.convert(self, validation, None)[0]
             validation = self._prepare_inputs(validation, bucket_lengths)
         a["validation_data"] = validation
+        stack = contextlib.ExitStack()
+        if (
+            backend.is_jax()
+            and isinstance(a["x"], batching.BucketedBatches)
+            and jax_compile.enabled()
+        ):
+            # the shapes to come compiled in the background (kbert.backend.jax_compile)
+            held_out = validation if isinstance(validation, batching.BucketedBatches) else None
+            ahead = jax_compile.AheadCompiler(a["x"], held_out)
+            a["callbacks"] = jax_compile.with_callback(a["callbacks"], ahead)
+            stack.callback(ahead.close)  # also when fit raises
         if distribution.torch_ddp_active():
             if self.jit_compile:
                 raise ValueError(
@@ -237,7 +248,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         # On torch: batches made on the host, copied without blocking by
         # kbert's step, which a GPU replays as a CUDA graph where it can.
         context = torch_step.fit_context(self) if backend.is_torch() else contextlib.nullcontext()
-        with context, _input_errors(), checks.inputs_checked_on_host():
+        with stack, context, _input_errors(), checks.inputs_checked_on_host():
             with keras_internals.jax_variables_kept_on_error(self):
                 return super().fit(**a)
 

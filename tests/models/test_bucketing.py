@@ -230,3 +230,51 @@ def _cuda():
     import torch
 
     return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
+    """On a GPU or TPU (forced here on the CPU), a JAX `fit` compiles every
+    shape of its training and validation batches in background threads when
+    it starts. The steps then run those executables: no program is compiled
+    twice, and the training is the same as without."""
+    import threading
+
+    import jax
+
+    from kbert.backend import jax_compile
+
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    histories, counts = [], []
+    try:
+        for ahead in (False, True):
+            monkeypatch.setattr(jax_compile, "enabled", lambda ahead=ahead: ahead)
+            model, x, y, _ = task("classifier")
+            model.compile(optimizer=keras.optimizers.SGD(0.05))
+            train = {k: v[:10] for k, v in x.items()}
+            held_out = ({k: v[10:] for k, v in x.items()}, y[10:])
+            compiles.clear()
+            history = model.fit(
+                train,
+                y[:10],
+                validation_data=held_out,
+                batch_size=4,
+                epochs=2,
+                verbose=0,
+                bucket_lengths=T,  # shapes (4, T), (2, T); validation (2, T)
+            )
+            histories.append(history.history)
+            counts.append(list(compiles))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    background = [name for name in counts[1] if name.startswith("kbert-compile")]
+    assert len(background) == 3  # two training steps, one validation step
+    assert len(counts[1]) == len(counts[0])  # nothing compiled twice
+    for key in histories[0]:
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6)

@@ -291,6 +291,22 @@ def cuda_graph_supported(model, force=False):
     )
 
 
+@contextlib.contextmanager
+def random_state_kept_on_failure():
+    """A CUDA graph capture that fails leaves torch's default CUDA generator
+    marked as capturing (its epilogue runs only when a capture ends well),
+    and every eager dropout after it raises "Offset increment outside graph
+    capture". On an exception inside the block, the generator gets back a
+    copy of its state from before the block."""
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    saved = generator.clone_state()
+    try:
+        yield
+    except BaseException:
+        generator.graphsafe_set_state(saved)
+        raise
+
+
 class GraphedTrainStep:
     """`train_step` captured as a CUDA graph per batch shape and replayed
     for every later batch of that shape, for the duration of one `fit`.
@@ -350,8 +366,11 @@ class GraphedTrainStep:
         previous = torch.cuda.current_stream()
         failed = None
         try:
-            with torch.cuda.graph(
-                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+            with (
+                random_state_kept_on_failure(),
+                torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ),
             ):
                 static_logs = train_step(self.model, static_inputs)
         except Exception as error:  # a step that cannot be captured trains eagerly
@@ -518,6 +537,7 @@ class GraphedForward:
         try:
             with (
                 torch.no_grad(),
+                random_state_kept_on_failure(),
                 torch.cuda.graph(
                     graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
                 ),

@@ -63,6 +63,10 @@ already in the layer's input dtype it calls `layer.call` under the autocast
 scope `Layer.__call__` would set, skipping bookkeeping (~50 us of host time
 per call) that is a no-op there: the torch GPU step is host-bound.
 
+`fill_padding(x, padding_mask, value)`: padding positions set to a number
+(on torch `masked_fill`: `full_like` there reads the number back from the
+GPU, a synchronisation that breaks CUDA-graph capture).
+
 `reverse_table_padding(rows)`: JAX pads the MLM decoder's vocabulary table to
 a multiple of 64 rows (tensor-core alignment; the logits are sliced back).
 """
@@ -76,6 +80,16 @@ if backend.is_jax():
     from kbert.backend import jax_ops
 elif backend.is_torch():
     from kbert.backend import torch_ops
+
+
+def fill_padding(x, padding_mask, value):
+    """x (B, T) with the positions where `padding_mask` is 0 set to the
+    Python number `value`. On torch `masked_fill`, the number a kernel
+    argument; `full_like` there makes a device tensor of it and reads it
+    back, a synchronisation that also breaks CUDA-graph capture."""
+    if backend.is_torch():
+        return torch_ops.fill_padding(x, padding_mask, value)
+    return ops.where(padding_mask > 0, x, ops.full_like(x, value))
 
 
 def packed_weight_cache():

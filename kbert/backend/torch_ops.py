@@ -115,3 +115,9 @@ def set_rng_state(arrays):
     cuda = sorted(k for k in arrays if k.startswith("rng_torch_cuda_"))
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([torch.from_numpy(arrays[k].copy()) for k in cuda])
+
+
+def fill_padding(x, padding_mask, value):
+    """`kbert.backend.ops.fill_padding`: `masked_fill` with the number."""
+    x = ops.convert_to_tensor(x)
+    return x.masked_fill(ops.convert_to_tensor(padding_mask) == 0, value)

@@ -15,6 +15,7 @@ import collections
 import keras
 import numpy as np
 
+from kbert.backend.ops import fill_padding
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.task import Task
 
@@ -33,7 +34,7 @@ class PaddingMasked(keras.layers.Layer):
     """(B, T) logits -> the same with padding positions set to `PADDING_LOGIT`."""
 
     def call(self, logits, padding_mask):
-        return keras.ops.where(padding_mask > 0, logits, keras.ops.full_like(logits, PADDING_LOGIT))
+        return fill_padding(logits, padding_mask, PADDING_LOGIT)
 
     def compute_output_spec(self, logits, padding_mask):
         return keras.KerasTensor(logits.shape, dtype=logits.dtype)

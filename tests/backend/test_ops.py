@@ -473,3 +473,18 @@ def test_attention_dropout_is_unbiased_on_every_path():
     assert np.abs(draws[0] - want).max() > 1e-3
     spread = draws.std(axis=0).max()
     np.testing.assert_allclose(draws.mean(axis=0), want, atol=5 * spread / np.sqrt(len(draws)))
+
+
+def test_fill_padding_sets_the_padding_positions_only():
+    """`fill_padding` keeps x where the mask is 1 and puts the number where
+    it is 0, in x's dtype, on every backend (torch: `masked_fill`)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 5)).astype("float32")
+    mask = (np.arange(5) < np.array([[5], [2], [0]])).astype("int32")
+    out = fused.fill_padding(
+        keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(mask), -1e9
+    )
+    assert keras.backend.standardize_dtype(out.dtype) == "float32"
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(out), np.where(mask > 0, x, np.float32(-1e9))
+    )

@@ -9,7 +9,7 @@ wall time including tokenization and compilation.
 
 Model: BERT-base with random weights and the uncased 30,522-token WordPiece
 vocabulary of the installed all-MiniLM-L6-v2 (the one bert-base-uncased
-uses), bf16 mixed precision, AdamW at 2e-5, batch 32, one epoch in a
+uses), bf16 mixed precision, AdamW at 2e-5, batch 32, one epoch (`--epochs`) in a
 seeded random order, sequence length 128.
 
 Tasks (data from ../shared/data, or --data-dir):
@@ -180,9 +180,16 @@ def run_kbert(task, bucket_lengths, args):
         model = cls(backbone, preprocessor=preprocessor, **head)
     model.compile(learning_rate=LR)
     built = time.perf_counter()
-    model.fit(texts, labels, batch_size=BATCH, epochs=1, verbose=0, bucket_lengths=bucket_lengths)
+    model.fit(
+        texts,
+        labels,
+        batch_size=BATCH,
+        epochs=args.epochs,
+        verbose=0,
+        bucket_lengths=bucket_lengths,
+    )
     trained = time.perf_counter()
-    result = fit_result(len(labels), start, built, trained)
+    result = fit_result(len(labels) * args.epochs, start, built, trained)
     if task == "xquad":  # counted after the timing
         result["train_features"] = len(model.prepare_features(*texts).example_index)
     stats = getattr(model, "cuda_graph_stats", None)
@@ -311,19 +318,21 @@ def run_hf(task, compiled, args):
     examples = labels
     if task == "xquad":  # batches of windows, like kbert's
         texts, labels = qa_windows(texts, labels, tokenizer)
-    order = np.random.default_rng(0).permutation(len(labels))
-    for enc in hf_batches(task, texts, labels, tokenizer, order):
-        enc = {k: v.to(device, non_blocking=True) for k, v in enc.items()}
-        with autocast(device, args):
-            loss = forward(**enc).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    rng = np.random.default_rng(0)
+    for _ in range(args.epochs):
+        order = rng.permutation(len(labels))
+        for enc in hf_batches(task, texts, labels, tokenizer, order):
+            enc = {k: v.to(device, non_blocking=True) for k, v in enc.items()}
+            with autocast(device, args):
+                loss = forward(**enc).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.synchronize()
     trained = time.perf_counter()
-    result = fit_result(len(examples), start, built, trained)
+    result = fit_result(len(examples) * args.epochs, start, built, trained)
     if task == "xquad":
         result["train_features"] = len(labels)
     if task == "sst2":
@@ -450,6 +459,9 @@ def main():
     parser.add_argument("--architecture", default="bert_base", choices=sorted(HF_SIZES))
     parser.add_argument("--preset", default=None, help="a Hugging Face BERT directory to load")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument(
+        "--epochs", type=int, default=1, help="fine-tuning epochs (examples/s counts each epoch)"
+    )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per (system, task)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -468,6 +480,7 @@ def main():
         "qa_sequence_length": QA_LENGTH,
         "doc_stride": QA_STRIDE,
         "learning_rate": LR,
+        "epochs": args.epochs,
         "runs": {},
     }
     try:
@@ -483,6 +496,7 @@ def main():
             command = [sys.executable, __file__, "--child", system, task]
             command += ["--data-dir", args.data_dir, "--architecture", args.architecture]
             command += ["--predict", str(args.predict), "--precision", args.precision]
+            command += ["--epochs", str(args.epochs)]
             if args.preset:
                 command += ["--preset", args.preset]
             if args.vocab:

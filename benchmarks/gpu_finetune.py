@@ -18,14 +18,14 @@ Tasks (data from ../shared/data, or --data-dir):
     conll  CoNLL-2003 train (14,041 sentences): token classification, one
            epoch, labels on the first piece of each word.
     xquad  XQuAD English (1,190 SQuAD v1.1 questions over 240 contexts, the
-           first answer of each): extractive question answering, one epoch
-           at sequence length 384 with doc stride 128. A long context becomes
+           first answer of each): extractive question answering, `--epochs`
+           epochs at sequence length 384 with doc stride 128. A long context becomes
            several windows (features), and both sides batch 32 windows, not
            32 questions: kbert's `fit((questions, contexts), answers)` windows
            every question first (the original run_squad rule: window starts
            128 tokens apart) and shuffles the windows; transformers' side
            windows them as its run_qa does (fast tokenizer, stride=128: 128
-           tokens of overlap; 1,219 windows against kbert's 1,232 here),
+           tokens of overlap; 1,211 windows against kbert's 1,232 here),
            labels each with the answer's first and last token, or [CLS] where
            the window lacks the answer, and batches them in a seeded order,
            each batch padded to its longest. Both inside the timed fit.

@@ -5,29 +5,33 @@ per batch shape (benchmarks/RESULTS.md), and a `fit` meets several: the
 full batches, the last partial batch, the validation batches and, with
 length buckets, one shape per bucket. Keras compiles each the first time
 a step of that shape runs, while the accelerator waits. Here, when the
-loop starts, every shape it will meet is traced and compiled in background
-threads, side by side and beside the steps (XLA releases the GIL while it
-compiles; tracing holds it, so the first shape traces alone). Before each
-step the loop waits for its shape's compilation if that is still running.
+loop starts (and at each epoch's start, for shapes a new order brings),
+every shape of the coming batches is traced and compiled in background
+threads, side by side and beside the steps (XLA releases the GIL while
+it compiles; tracing holds it, so the traces run one at a time, the
+first shape's first). Before each step the loop waits for its shape's
+compilation if that is still running.
 The executables land in JAX's compilation cache, where Keras' own `jit`
 of the same step finds them: the programs, and the numbers, are the ones
 Keras would have compiled.
 
 Only for batches whose shapes are known in advance (kbert's length
-buckets on host arrays) and without a `keras.distribution` (whose
-shardings Keras sets at call time).
+buckets on host arrays), with the step jitted (not `run_eagerly`, not
+`jit_compile=False`, not under NNX), without a `keras.distribution`
+(whose shardings Keras sets at call time) and with callbacks given as a
+list (a `CallbackList` is used as given).
 """
 
 import functools
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import keras
 
 from kbert.backend import jax_on_accelerator, keras_internals
 
-# Background compilations run at once; each also holds the GIL while it
-# lowers (a second or two for BERT-base).
+# Background compilations run at once (their traces one at a time).
 WORKERS = 4
 
 
@@ -38,13 +42,23 @@ def enabled():
     return jax_on_accelerator() and keras.distribution.distribution() is None
 
 
+def applies(model, callbacks):
+    """Whether `model.fit(..., callbacks=callbacks)` can compile ahead: a
+    jitted step Keras makes from `train_step` itself, callbacks we can add
+    to without changing the caller's objects."""
+    return (
+        enabled()
+        and model.jit_compile
+        and not model.run_eagerly
+        and not keras.config.is_nnx_enabled()
+        and not isinstance(callbacks, keras.callbacks.CallbackList)
+    )
+
+
 def with_callback(callbacks, callback):
-    """`fit`'s `callbacks` argument (None, a list or a `CallbackList`) with
-    `callback` added."""
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks.append(callback)
-        return callbacks
-    return list(callbacks or []) + [callback]
+    """`fit`'s `callbacks` argument (None, a callback or a list) with
+    `callback` added, as a new list."""
+    return keras.tree.flatten(callbacks) + [callback] if callbacks else [callback]
 
 
 def _spec(tree):
@@ -77,67 +91,87 @@ class AheadCompiler(keras.callbacks.Callback):
         self.pool = None
         # JAX caches executables by the traced function, held weakly: the
         # jitted steps live as long as the loop does
-        self.steps = []
+        self.steps = {}
+        self.trace_lock = threading.Lock()  # the model is traced by one thread at a time
+        self.first_traced = threading.Event()
+        self.warned = False
 
-    def _submit(self, kind, batches, first_traced, lead=False):
-        """Compiles each shape of `batches` for the `kind` step in the pool.
-        Tracing holds the GIL: the first shape of the `lead` call traces
-        alone, every other once `first_traced` is set."""
-        import jax
-
-        model = self.model
-        step = jax.jit(model.train_step if kind == "train" else model.test_step, donate_argnums=0)
-        self.steps.append(step)
-        state = keras_internals.jax_step_state(model, kind)
+    def _submit(self, kind, batches, lead=False):
+        """Compiles each shape of `batches` not compiled yet for the `kind`
+        step, in the pool. With `lead`, the first of them traces before
+        any other."""
+        if kind not in self.steps:
+            self.steps[kind] = (
+                keras_internals.jax_step_function(self.model, kind),
+                keras_internals.jax_step_state(self.model, kind),
+            )
+        step, state = self.steps[kind]
 
         def compile_shape(spec, first):
             try:
                 if not first:
-                    first_traced.wait()
-                lowered = step.lower(state, spec)
+                    self.first_traced.wait()
+                with self.trace_lock:
+                    lowered = step.lower(state, spec)
             finally:
                 if first:
-                    first_traced.set()
+                    self.first_traced.set()
             return lowered.compile()
 
-        seen = set()
         for index in batches.first_of_each_shape():
-            key = batches.shape_key(index)
-            if key not in seen:
-                job = functools.partial(compile_shape, _spec(batches[index]), lead and not seen)
-                self.pending[(kind, key)] = self.pool.submit(job)
-                seen.add(key)
+            key = (kind, batches.shape_key(index))
+            if key not in self.pending:
+                first = lead and not self.first_traced.is_set() and not self.pending
+                job = functools.partial(compile_shape, _spec(batches[index]), first)
+                self.pending[key] = self.pool.submit(job)
+        if not self.pending:
+            self.first_traced.set()
 
     def on_train_begin(self, logs=None):
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
-        first_traced = threading.Event()
-        self._submit("train", self.batches, first_traced, lead=True)
+        self._submit("train", self.batches, lead=True)
         if self.validation is not None:
-            self._submit("test", self.validation, first_traced)
+            self._submit("test", self.validation)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.pool is not None:  # shapes a new shuffle of the batches brings
+            self._submit("train", self.batches)
 
     def _wait(self, kind, key):
         future = self.pending.get((kind, key))
-        if future is not None:
-            try:
-                future.result()
-            except Exception:  # Keras compiles the shape itself
-                pass
+        if future is None:
+            return
+        try:
+            future.result()
+        except Exception as error:  # Keras compiles the shape itself
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"kbert: compiling a step shape ahead failed ({type(error).__name__}: "
+                    f"{str(error)[:200]}); Keras compiles each shape when it first runs."
+                )
+
+    def _wait_range(self, kind, batches, first):
+        count = getattr(self.model, "steps_per_execution", 1) or 1
+        for index in range(first, min(first + count, len(batches))):
+            self._wait(kind, batches.shape_key(index))
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._wait("train", self.batches.shape_key(batch))
+        self._wait_range("train", self.batches, batch)
 
     def on_test_batch_begin(self, batch, logs=None):
         if self.validation is not None and batch < len(self.validation):
-            self._wait("test", self.validation.shape_key(batch))
+            self._wait_range("test", self.validation, batch)
 
     def on_train_end(self, logs=None):
         self.close()
 
     def close(self):
         """Cancels the compilations not started and waits for the running."""
+        self.first_traced.set()  # a cancelled first trace must not hold the others
         if self.pool is not None:
             for future in self.pending.values():
                 future.cancel()
             self.pool.shutdown(wait=True)
             self.pool = None
-        self.pending, self.steps = {}, []
+        self.pending, self.steps = {}, {}

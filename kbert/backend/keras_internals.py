@@ -354,11 +354,25 @@ def jax_variables_kept_on_error(model):
         raise
 
 
+def jax_step_function(model, kind="train"):
+    """The jitted step Keras' JAX `fit` makes of `model.train_step`
+    ("train") or `model.test_step` ("test"): `jax.jit(step,
+    donate_argnums=0)` without a distribution (`JAXTrainer.make_train_function`
+    / `make_test_function`, Keras 3.12-3.15). A jit of the same bound
+    method shares JAX's compilation cache with Keras' own. Can go if Keras
+    exposes its jitted steps."""
+    import jax
+
+    step = model.train_step if kind == "train" else model.test_step
+    return jax.jit(step, donate_argnums=0)
+
+
 def jax_step_state(model, kind="train"):
     """The state Keras' JAX `fit` passes its jitted `train_step` ("train")
     or `test_step` ("test"): (trainable, non-trainable, optimizer,
     metrics) variable values, without the optimizer's for "test"
-    (`JAXTrainer._get_jax_state`, Keras 3.12-3.15)."""
+    (`JAXTrainer._get_jax_state`, Keras 3.12-3.15). Can go with
+    `jax_step_function`."""
     return model._get_jax_state(
         trainable_variables=True,
         non_trainable_variables=True,

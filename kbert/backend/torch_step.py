@@ -386,6 +386,9 @@ class GraphedTrainStep:
         if failed:
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
+            # graphs captured before draw dropout masks from the generator
+            # state replaced above: the rest of the fit runs eagerly
+            self.graphs.clear()
             return self._give_up(failed, data)
         if self.pool is None:
             self.pool = graph.pool()

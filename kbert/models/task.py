@@ -231,7 +231,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         if (
             backend.is_jax()
             and isinstance(a["x"], batching.BucketedBatches)
-            and jax_compile.enabled()
+            and jax_compile.applies(self, a["callbacks"])
         ):
             # the shapes to come compiled in the background (kbert.backend.jax_compile)
             held_out = validation if isinstance(validation, batching.BucketedBatches) else None

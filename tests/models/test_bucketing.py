@@ -236,8 +236,9 @@ def _cuda():
 def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
     """On a GPU or TPU (forced here on the CPU), a JAX `fit` compiles every
     shape of its training and validation batches in background threads when
-    it starts. The steps then run those executables: no program is compiled
-    twice, and the training is the same as without."""
+    it starts. The steps then run those executables: Keras compiles none of
+    them again, and the training is the same as without."""
+    import logging
     import threading
 
     import jax
@@ -246,11 +247,15 @@ def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
 
     compiles = []
 
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(threading.current_thread().name)
+    class Steps(logging.Handler):  # XLA compilations of the steps, by thread
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith("Finished XLA compilation") and "_step)" in text:
+                compiles.append(threading.current_thread().name)
 
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    handler, logger = Steps(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
     histories, counts = [], []
     try:
         for ahead in (False, True):
@@ -272,9 +277,34 @@ def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
             histories.append(history.history)
             counts.append(list(compiles))
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    background = [name for name in counts[1] if name.startswith("kbert-compile")]
-    assert len(background) == 3  # two training steps, one validation step
-    assert len(counts[1]) == len(counts[0])  # nothing compiled twice
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+    assert counts[0] == ["MainThread"] * 3  # two training steps, one validation step
+    assert len(counts[1]) == 3 and all(name.startswith("kbert-compile") for name in counts[1])
     for key in histories[0]:
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_compiles_ahead_only_for_a_jitted_step_and_callbacks_in_a_list(monkeypatch):
+    """No compilation ahead where Keras does not jit the step itself
+    (`jit_compile=False`) or where callbacks come as a `CallbackList` (used
+    as given); a single callback or a list gets the compiler added. The
+    state the compiler traces with is Keras' (`_get_jax_state`)."""
+    from kbert.backend import jax_compile, keras_internals
+
+    monkeypatch.setattr(jax_compile, "enabled", lambda: True)
+    model, x, y, _ = task("classifier")
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    history = keras.callbacks.History()
+    assert jax_compile.applies(model, None) and jax_compile.applies(model, [history])
+    assert jax_compile.with_callback(history, "c") == [history, "c"]
+    assert jax_compile.with_callback(None, "c") == ["c"]
+    assert not jax_compile.applies(model, keras.callbacks.CallbackList([history]))
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    train = keras_internals.jax_step_state(model, "train")
+    test = keras_internals.jax_step_state(model, "test")
+    assert len(train) == 4 and len(test) == 3
+    assert len(train[0]) == len(model.trainable_variables)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), jit_compile=False)
+    assert not jax_compile.applies(model, None)

@@ -248,12 +248,9 @@ def hf_batches(task, texts, labels, tokenizer, order):
     for start in range(0, len(order), BATCH):
         rows = order[start : start + BATCH]
         if task == "xquad":  # windows from `qa_windows`, padded to their longest
-            longest = max(len(texts["input_ids"][i]) for i in rows)
-            pad = {"input_ids": tokenizer.pad_token_id}
-            enc = {
-                k: torch.tensor([v[i] + [pad.get(k, 0)] * (longest - len(v[i])) for i in rows])
-                for k, v in texts.items()
-            }
+            enc = tokenizer.pad(
+                {k: [v[i] for i in rows] for k, v in texts.items()}, return_tensors="pt"
+            )
             enc["start_positions"], enc["end_positions"] = torch.tensor(
                 [labels[i] for i in rows]
             ).unbind(1)

@@ -228,10 +228,10 @@ class BucketedBatches(BatchList):
 
     def first_of_each_shape(self):
         """Index of the first batch of each distinct shape, in batch order."""
-        first = {}
+        first = {}  # in insertion order: the batch order
         for index in range(len(self.batches)):
             first.setdefault(self.shape_key(index), index)
-        return sorted(first.values())
+        return list(first.values())
 
     def on_epoch_end(self):
         self.epochs += 1

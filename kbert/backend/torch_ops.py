@@ -5,6 +5,9 @@ Why each exists is documented in `kbert.backend.ops`; the measurements are
 in `benchmarks/RESULTS.md`.
 """
 
+import contextlib
+import functools
+
 import keras
 import torch
 from keras import ops
@@ -52,13 +55,33 @@ def dense(inputs, kernel, bias=None, cache=None):
     return torch.nn.functional.linear(inputs, kernel.t(), bias)
 
 
+@functools.cache
+def _gpu_attention_kernels():
+    """The attention kernels kbert lets torch pick from on a GPU: FlashAttention
+    and the memory-efficient kernel (then the reference one), not cuDNN's.
+    cuDNN's attention builds a plan for every new input shape, about 0.17 s
+    each on an H100 (3.4 s for the first), where these take about 1 ms, and
+    length-bucketed batches bring a new shape per bucket; at fine-tuning
+    lengths (16 to 128 tokens) the memory-efficient kernel also runs a step
+    as fast or faster (benchmarks/RESULTS.md)."""
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def sdpa(query, key, value, keep, scale, dropout=0.0):
     """scaled_dot_product_attention on (B, N, T, D) views of (B, T, N, D)
     inputs with a boolean (B, 1, 1, S) mask."""
     q, k, v = (ops.convert_to_tensor(t).transpose(1, 2) for t in (query, key, value))
-    context = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=keep, scale=scale, dropout_p=float(dropout)
-    )  # (B, N, T, D)
+    kernels = contextlib.nullcontext()
+    if q.is_cuda and not torch.compiler.is_compiling():
+        from torch.nn.attention import sdpa_kernel
+
+        kernels = sdpa_kernel(_gpu_attention_kernels())
+    with kernels:
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, scale=scale, dropout_p=float(dropout)
+        )  # (B, N, T, D)
     return context.transpose(1, 2)  # (B, T, N, D)
 
 

@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import torch
 
-from kbert.backend import keras_internals, torch_ddp
+from kbert.backend import keras_internals, torch_ddp, torch_triton
 
 
 def _host_tensor(value):
@@ -185,8 +185,9 @@ def count_in_place(variable):
 
 
 def adam_update(optimizer, grads, variables, learning_rate):
-    """Keras' multi-tensor torch Adam update (`torch._foreach_*`) with the
-    step count and bias corrections computed on the device."""
+    """Keras' multi-tensor torch Adam update with the step count and bias
+    corrections computed on the device: one Triton kernel per variable on a
+    GPU (`kbert.backend.torch_triton`), `torch._foreach_*` passes elsewhere."""
     m_list, v_list, v_hat_list = keras_internals.adam_slots(optimizer, variables)
     variables = [keras_internals.torch_value(v) for v in variables]
     dtype = variables[0].dtype
@@ -197,6 +198,11 @@ def adam_update(optimizer, grads, variables, learning_rate):
     beta_1_power = torch.pow(optimizer.beta_1, local_step)
     beta_2_power = torch.pow(optimizer.beta_2, local_step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+    betas = (optimizer.beta_1, optimizer.beta_2)
+    if v_hat_list is None and torch_triton.adam_update(
+        variables, grads, m_list, v_list, alpha, *betas, optimizer.epsilon
+    ):
+        return  # one kernel per variable on a GPU, the same arithmetic
     torch._foreach_mul_(m_list, optimizer.beta_1)
     torch._foreach_add_(m_list, grads, alpha=1 - optimizer.beta_1)
     torch._foreach_mul_(v_list, optimizer.beta_2)

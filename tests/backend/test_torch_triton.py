@@ -76,7 +76,9 @@ def test_the_kernel_matches_the_foreach_update_over_several_steps():
     xs, gs, ms, vs = _tensors("cuda", shapes)
     ref = [[t.clone() for t in group] for group in (xs, gs, ms, vs)]
     for step in range(1, 6):
-        alpha = torch.tensor(2e-3 * np.sqrt(1 - 0.999**step) / (1 - 0.9**step), device="cuda")
+        alpha = torch.tensor(
+            2e-3 * np.sqrt(1 - 0.999**step) / (1 - 0.9**step), dtype=torch.float32, device="cuda"
+        )
         assert torch_triton.adam_update(xs, gs, ms, vs, alpha, 0.9, 0.999, 1e-6)
         _foreach_reference(*ref, alpha, 0.9, 0.999, 1e-6)
         gs = [g * -1.1 for g in gs]  # new gradients for the next step

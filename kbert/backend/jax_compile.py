@@ -15,6 +15,9 @@ The executables land in JAX's compilation cache, where Keras' own `jit`
 of the same step finds them: the programs, and the numbers, are the ones
 Keras would have compiled.
 
+A later `fit` of the same model reuses Keras' jitted step, which keeps
+the programs of the shapes it ran: those shapes are not compiled again.
+
 Only for batches whose shapes are known in advance (kbert's length
 buckets on host arrays), with the step jitted (not `run_eagerly`, not
 `jit_compile=False`, not under NNX), without a `keras.distribution`
@@ -25,6 +28,7 @@ list (a `CallbackList` is used as given).
 import functools
 import threading
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import keras
@@ -33,6 +37,31 @@ from kbert.backend import jax_on_accelerator, keras_internals
 
 # Background compilations run at once (their traces one at a time).
 WORKERS = 4
+
+# The shapes each model's jitted Keras steps have run: model -> {kind:
+# (weak reference to Keras' step function, shape keys)}. Keras keeps its
+# step function from one `fit` to the next (until `compile` makes a new
+# one), and with it the programs of those shapes.
+_RAN = weakref.WeakKeyDictionary()
+
+
+def _keras_step(model, kind):
+    """Keras' step function for `kind` (`train_function`, `test_function`),
+    or None before Keras made one."""
+    return model.train_function if kind == "train" else model.test_function
+
+
+def ran_shapes(model, kind):
+    """The shape keys the current Keras step of `kind` has run (a set to
+    add to; empty for a new step function)."""
+    function = _keras_step(model, kind)
+    if function is None:
+        return set()
+    steps = _RAN.setdefault(model, {})
+    entry = steps.get(kind)
+    if entry is None or entry[0]() is not function:
+        entry = steps[kind] = (weakref.ref(function), set())
+    return entry[1]
 
 
 def enabled():
@@ -118,9 +147,10 @@ class AheadCompiler(keras.callbacks.Callback):
                     self.first_traced.set()
             return lowered.compile()
 
+        ran = ran_shapes(self.model, kind)
         for index in batches.first_of_each_shape():
             key = (kind, batches.shape_key(index))
-            if key not in self.pending:
+            if key not in self.pending and key[1] not in ran:
                 first = lead and not self.first_traced.is_set() and not self.pending
                 job = functools.partial(compile_shape, _spec(batches[index]), first)
                 self.pending[key] = self.pool.submit(job)
@@ -153,8 +183,10 @@ class AheadCompiler(keras.callbacks.Callback):
 
     def _wait_range(self, kind, batches, first):
         count = getattr(self.model, "steps_per_execution", 1) or 1
+        ran = ran_shapes(self.model, kind)
         for index in range(first, min(first + count, len(batches))):
             self._wait(kind, batches.shape_key(index))
+            ran.add(batches.shape_key(index))
 
     def on_train_batch_begin(self, batch, logs=None):
         self._wait_range("train", self.batches, batch)

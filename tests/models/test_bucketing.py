@@ -276,11 +276,23 @@ def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
             )
             histories.append(history.history)
             counts.append(list(compiles))
+        # A later fit reuses Keras' jitted steps and their programs: nothing
+        # compiles again; after `compile` (new steps) the shapes compile ahead.
+        for recompile in (False, True):
+            if recompile:
+                model.compile(optimizer=keras.optimizers.SGD(0.05))
+            compiles.clear()
+            model.fit(
+                train, y[:10], validation_data=held_out, batch_size=4, verbose=0, bucket_lengths=T
+            )
+            counts.append(list(compiles))
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(handler)
     assert counts[0] == ["MainThread"] * 3  # two training steps, one validation step
-    assert len(counts[1]) == 3 and all(name.startswith("kbert-compile") for name in counts[1])
+    for ahead in counts[1], counts[3]:
+        assert len(ahead) == 3 and all(name.startswith("kbert-compile") for name in ahead)
+    assert counts[2] == []
     for key in histories[0]:
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6)
 

@@ -25,8 +25,9 @@ with `alpha` (the learning rate times the bias corrections) read from a
 device scalar, so a CUDA graph replays it with each step's value. Division
 and square root round to nearest, as torch's do.
 
-Used where Triton imports and every tensor is a contiguous float32 CUDA
-tensor (Keras' variables and slots are); elsewhere the foreach update runs.
+Used where Triton imports and every tensor is a contiguous float32 tensor
+on one CUDA device (Keras' variables and slots are), outside
+`torch.compile`; elsewhere the foreach update runs.
 """
 
 import functools
@@ -93,10 +94,14 @@ def _fits(tensors):
 def adam_update(variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon):
     """Keras' Adam update of each variable in place (module docstring).
     `alpha`: a float32 device scalar. Returns False, having changed
-    nothing, where the kernel does not apply (no Triton, a tensor that is
-    not a contiguous float32 CUDA tensor)."""
+    nothing, where the kernel does not apply (no Triton, under
+    `torch.compile`, a tensor that is not a contiguous float32 tensor on
+    the one CUDA device of the others)."""
     kernels = _adam_kernel()
-    if kernels is None or not _fits([alpha, *variables, *grads, *m_list, *v_list]):
+    tensors = [alpha, *variables, *grads, *m_list, *v_list]
+    if kernels is None or torch.compiler.is_compiling() or not _fits(tensors):
+        return False  # (torch.compile traces the foreach passes instead)
+    if len({t.device for t in tensors}) != 1:
         return False
     kernel, cdiv = kernels
     shapes_match = all(
@@ -106,6 +111,12 @@ def adam_update(variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon
     if not shapes_match:
         return False
     beta_1, beta_2, epsilon = float(beta_1), float(beta_2), float(epsilon)
+    with torch.cuda.device(alpha.device):
+        _launch(kernel, cdiv, variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon)
+    return True
+
+
+def _launch(kernel, cdiv, variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon):
     for x, g, m, v in zip(variables, grads, m_list, v_list):
         n = x.numel()
         if n == 0:
@@ -125,4 +136,3 @@ def adam_update(variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon
             BLOCK=BLOCK,
             num_warps=WARPS,
         )
-    return True

@@ -52,8 +52,9 @@ def _keras_step(model, kind):
 
 
 def ran_shapes(model, kind):
-    """The shape keys the current Keras step of `kind` has run (a set to
-    add to; empty for a new step function)."""
+    """The programs the current Keras step of `kind` has run, as (batch
+    structure, shape key) pairs (a set to add to; empty for a new step
+    function)."""
     function = _keras_step(model, kind)
     if function is None:
         return set()
@@ -104,6 +105,15 @@ def _spec(tree):
     return keras.tree.map_structure(lambda v: None if v is None else one(v), tree)
 
 
+def _structure(batch):
+    """The structure, dtypes and ranks of a batch: with its shape key
+    (rows, length), what fixes the program Keras compiles for it."""
+    leaves = keras.tree.map_structure(
+        lambda v: None if v is None else (str(v.dtype), v.ndim), batch
+    )
+    return repr(leaves)
+
+
 class AheadCompiler(keras.callbacks.Callback):
     """A callback for a JAX `fit` on kbert's bucketed batches (see module doc).
 
@@ -121,6 +131,8 @@ class AheadCompiler(keras.callbacks.Callback):
         # JAX caches executables by the traced function, held weakly: the
         # jitted steps live as long as the loop does
         self.steps = {}
+        self.structure = {}  # step kind -> `_structure` of its batches
+        self.running = {}  # step kind -> shape keys of the steps started last
         self.trace_lock = threading.Lock()  # the model is traced by one thread at a time
         self.first_traced = threading.Event()
         self.warned = False
@@ -148,9 +160,11 @@ class AheadCompiler(keras.callbacks.Callback):
             return lowered.compile()
 
         ran = ran_shapes(self.model, kind)
+        if len(batches) and kind not in self.structure:
+            self.structure[kind] = _structure(batches[0])
         for index in batches.first_of_each_shape():
             key = (kind, batches.shape_key(index))
-            if key not in self.pending and key[1] not in ran:
+            if key not in self.pending and self._ran_key(key) not in ran:
                 first = lead and not self.first_traced.is_set() and not self.pending
                 job = functools.partial(compile_shape, _spec(batches[index]), first)
                 self.pending[key] = self.pool.submit(job)
@@ -181,12 +195,26 @@ class AheadCompiler(keras.callbacks.Callback):
                     f"{str(error)[:200]}); Keras compiles each shape when it first runs."
                 )
 
-    def _wait_range(self, kind, batches, first):
-        count = getattr(self.model, "steps_per_execution", 1) or 1
+    def _ran_key(self, key):
+        """What identifies a program of Keras' `kind` step: the batch
+        structure (keys, dtypes, ranks) and the shape key."""
+        kind, shape = key
+        return self.structure.get(kind), shape
+
+    def _commit(self, kind):
+        """The steps of `kind` started last have run: Keras' step holds
+        their programs."""
         ran = ran_shapes(self.model, kind)
+        ran.update(self._ran_key(key) for key in self.running.pop(kind, ()))
+
+    def _wait_range(self, kind, batches, first):
+        self._commit(kind)  # a new step starts: the previous ones ended
+        count = getattr(self.model, "steps_per_execution", 1) or 1
+        self.running[kind] = []
         for index in range(first, min(first + count, len(batches))):
-            self._wait(kind, batches.shape_key(index))
-            ran.add(batches.shape_key(index))
+            key = (kind, batches.shape_key(index))
+            self._wait(*key)
+            self.running[kind].append(key)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._wait_range("train", self.batches, batch)
@@ -195,7 +223,11 @@ class AheadCompiler(keras.callbacks.Callback):
         if self.validation is not None and batch < len(self.validation):
             self._wait_range("test", self.validation, batch)
 
+    def on_test_end(self, logs=None):
+        self._commit("test")
+
     def on_train_end(self, logs=None):
+        self._commit("train")
         self.close()
 
     def close(self):

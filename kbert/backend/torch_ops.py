@@ -6,7 +6,6 @@ in `benchmarks/RESULTS.md`.
 """
 
 import contextlib
-import functools
 
 import keras
 import torch
@@ -55,18 +54,29 @@ def dense(inputs, kernel, bias=None, cache=None):
     return torch.nn.functional.linear(inputs, kernel.t(), bias)
 
 
-@functools.cache
 def _gpu_attention_kernels():
-    """The attention kernels kbert lets torch pick from on a GPU: FlashAttention
-    and the memory-efficient kernel (then the reference one), not cuDNN's.
+    """The attention kernels torch may pick from on a GPU, as it is set up
+    (`torch.backends.cuda.enable_*_sdp`), without cuDNN's; None where cuDNN's
+    is already off or is the only one on.
+
     cuDNN's attention builds a plan for every new input shape, about 0.17 s
-    each on an H100 (3.4 s for the first), where these take about 1 ms, and
-    length-bucketed batches bring a new shape per bucket; at fine-tuning
-    lengths (16 to 128 tokens) the memory-efficient kernel also runs a step
-    as fast or faster (benchmarks/RESULTS.md)."""
+    each on an H100 (3.4 s for the first), where FlashAttention and the
+    memory-efficient kernel take about 1 ms, and length-bucketed batches
+    bring a new shape per bucket; at fine-tuning lengths (16 to 128
+    tokens) the memory-efficient kernel also runs a step as fast or faster
+    (benchmarks/RESULTS.md). `sdpa_kernel` sets process-wide flags for the
+    duration of the call, as torch's own context manager does."""
+    from torch.backends import cuda
     from torch.nn.attention import SDPBackend
 
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if not cuda.cudnn_sdp_enabled():
+        return None
+    enabled = [
+        (cuda.flash_sdp_enabled(), SDPBackend.FLASH_ATTENTION),
+        (cuda.mem_efficient_sdp_enabled(), SDPBackend.EFFICIENT_ATTENTION),
+        (cuda.math_sdp_enabled(), SDPBackend.MATH),
+    ]
+    return [backend for on, backend in enabled if on] or None
 
 
 def sdpa(query, key, value, keep, scale, dropout=0.0):
@@ -75,9 +85,11 @@ def sdpa(query, key, value, keep, scale, dropout=0.0):
     q, k, v = (ops.convert_to_tensor(t).transpose(1, 2) for t in (query, key, value))
     kernels = contextlib.nullcontext()
     if q.is_cuda and not torch.compiler.is_compiling():
-        from torch.nn.attention import sdpa_kernel
+        backends = _gpu_attention_kernels()
+        if backends is not None:
+            from torch.nn.attention import sdpa_kernel
 
-        kernels = sdpa_kernel(_gpu_attention_kernels())
+            kernels = sdpa_kernel(backends)
     with kernels:
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=keep, scale=scale, dropout_p=float(dropout)

@@ -15,7 +15,8 @@ it too, but with torch's arithmetic: it adds epsilon to the bias-corrected
 second moment (`sqrt(v) / sqrt(1 - beta_2**t) + epsilon`), Keras to the raw
 one (`sqrt(v) + epsilon`, the correction folded into the step size), and
 the JAX and TensorFlow backends run Keras'. This kernel computes Keras'
-update, operation for operation in float32:
+update, operation for operation in float32 (up to rounding: the kernel
+may fuse a multiply and an add, as torch's foreach kernels may):
 
     m = m * beta_1 + g * (1 - beta_1)
     v = v * beta_2 + g * g * (1 - beta_2)
@@ -25,12 +26,14 @@ with `alpha` (the learning rate times the bias corrections) read from a
 device scalar, so a CUDA graph replays it with each step's value. Division
 and square root round to nearest, as torch's do.
 
-Used where Triton imports and every tensor is a contiguous float32 tensor
-on one CUDA device (Keras' variables and slots are), outside
-`torch.compile`; elsewhere the foreach update runs.
+Used where Triton imports and launches (tried once per device), every
+tensor is a contiguous float32 tensor on one CUDA device (Keras' variables
+and slots are), outside `torch.compile`; elsewhere the foreach update
+runs.
 """
 
 import functools
+import warnings
 
 import torch
 
@@ -84,35 +87,76 @@ def available():
     return _adam_kernel() is not None
 
 
+# device index -> whether a first launch worked there (Triton can import
+# and still fail to launch: no C compiler for its launcher, a GPU it does
+# not support)
+_USABLE = {}
+
+
+def _usable(device):
+    """Whether the kernel launches on `device`: tried once per device on a
+    few values, outside any graph capture (a warning says why not)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _USABLE:
+        return _USABLE[index]
+    if torch.cuda.is_current_stream_capturing():
+        return False  # tried at the next eager call
+    x, g, m, v = (torch.zeros(4, device=device) for _ in range(4))
+    alpha = torch.zeros((), device=device)
+    try:
+        with torch.cuda.device(device):
+            _launch(*_adam_kernel(), [x], [g], [m], [v], alpha, 0.9, 0.999, 1e-7)
+        _USABLE[index] = True
+    except Exception as error:  # the foreach passes do the update instead
+        _USABLE[index] = False
+        warnings.warn(
+            f"kbert: the Triton Adam kernel does not run on {device} "
+            f"({type(error).__name__}: {str(error)[:200]}); the update runs as "
+            "torch._foreach_ passes"
+        )
+    return _USABLE[index]
+
+
 def _fits(tensors):
     return all(
-        t is not None and t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()
+        t is not None
+        and t.is_cuda
+        and t.dtype == torch.float32
+        and t.is_contiguous()
+        and t.numel() < 2**31  # the kernel's offsets are 32-bit
         for t in tensors
     )
 
 
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def adam_update(variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon):
     """Keras' Adam update of each variable in place (module docstring).
-    `alpha`: a float32 device scalar. Returns False, having changed
-    nothing, where the kernel does not apply (no Triton, under
-    `torch.compile`, a tensor that is not a contiguous float32 tensor on
-    the one CUDA device of the others)."""
+    `alpha`: a float32 device scalar; `beta_1`, `beta_2`, `epsilon`:
+    Python numbers. Returns False, having changed nothing, where the
+    kernel does not apply (under `torch.compile`, no Triton, a tensor that
+    is not a contiguous float32 tensor on the one CUDA device of the
+    others, hyperparameters that are tensors, a device where the kernel
+    does not launch)."""
+    if torch.compiler.is_compiling():
+        return False  # torch.compile traces the foreach passes instead
     kernels = _adam_kernel()
     tensors = [alpha, *variables, *grads, *m_list, *v_list]
-    if kernels is None or torch.compiler.is_compiling() or not _fits(tensors):
-        return False  # (torch.compile traces the foreach passes instead)
-    if len({t.device for t in tensors}) != 1:
+    if kernels is None or not all(map(_number, (beta_1, beta_2, epsilon))):
         return False
-    kernel, cdiv = kernels
+    if not _fits(tensors) or len({t.device for t in tensors}) != 1:
+        return False
     shapes_match = all(
         x.shape == g.shape == m.shape == v.shape
         for x, g, m, v in zip(variables, grads, m_list, v_list, strict=True)
     )
-    if not shapes_match:
+    if not shapes_match or not _usable(alpha.device):
         return False
     beta_1, beta_2, epsilon = float(beta_1), float(beta_2), float(epsilon)
     with torch.cuda.device(alpha.device):
-        _launch(kernel, cdiv, variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon)
+        _launch(*kernels, variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon)
     return True
 
 

@@ -488,3 +488,37 @@ def test_fill_padding_sets_the_padding_positions_only():
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(out), np.where(mask > 0, x, np.float32(-1e9))
     )
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's attention kernels")
+def test_gpu_attention_leaves_out_cudnn_and_keeps_the_kernels_a_user_turned_off():
+    """On a GPU kbert's attention lets torch pick any kernel that is on
+    except cuDNN's (a plan per input shape); it turns on none that is off."""
+    from torch.backends import cuda
+    from torch.nn.attention import SDPBackend
+
+    from kbert.backend import torch_ops
+
+    flags = ("flash", "mem_efficient", "math", "cudnn")
+    before = {name: getattr(cuda, f"{name}_sdp_enabled")() for name in flags}
+
+    def switch(**on):
+        for name in flags:
+            getattr(cuda, f"enable_{name}_sdp")(on.get(name, True))
+
+    try:
+        switch()
+        assert torch_ops._gpu_attention_kernels() == [
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH,
+        ]
+        switch(flash=False)
+        kernels = torch_ops._gpu_attention_kernels()
+        assert kernels == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        switch(flash=False, mem_efficient=False, math=False)  # cuDNN alone: kept
+        assert torch_ops._gpu_attention_kernels() is None
+        switch(cudnn=False)  # already off: nothing to change
+        assert torch_ops._gpu_attention_kernels() is None
+    finally:
+        switch(**before)

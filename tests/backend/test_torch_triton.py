@@ -105,14 +105,20 @@ def test_a_graphed_fit_with_the_kernel_matches_the_foreach_update():
             "padding_mask": np.ones((64, 16), "int32"),
         }
         y = rng.integers(0, 3, 64)
-        original = torch_triton.adam_update
-        if not use_kernel:
-            torch_triton.adam_update = lambda *args: False
+        original, ran = torch_triton.adam_update, []
+
+        def counted(*args):
+            ran.append(original(*args))
+            return ran[-1]
+
+        torch_triton.adam_update = counted if use_kernel else (lambda *args: False)
         try:
             model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         finally:
             torch_triton.adam_update = original
         assert model.cuda_graph_stats["replays"] > 0
+        if use_kernel:  # the kernel made every update (eager, and the captured ones)
+            assert ran and all(ran)
         return [keras.ops.convert_to_numpy(w) for w in model.weights]
 
     for mine, theirs in zip(train(True), train(False)):

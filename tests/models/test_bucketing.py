@@ -286,6 +286,20 @@ def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
                 train, y[:10], validation_data=held_out, batch_size=4, verbose=0, bucket_lengths=T
             )
             counts.append(list(compiles))
+        # Weights change the training batches' structure: new programs for
+        # the two training shapes, compiled ahead; validation is unchanged.
+        compiles.clear()
+        weights = np.ones(10, "float32")
+        model.fit(
+            train,
+            y[:10],
+            sample_weight=weights,
+            validation_data=held_out,
+            batch_size=4,
+            verbose=0,
+            bucket_lengths=T,
+        )
+        counts.append(list(compiles))
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(handler)
@@ -293,6 +307,7 @@ def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
     for ahead in counts[1], counts[3]:
         assert len(ahead) == 3 and all(name.startswith("kbert-compile") for name in ahead)
     assert counts[2] == []
+    assert len(counts[4]) == 2 and all(name.startswith("kbert-compile") for name in counts[4])
     for key in histories[0]:
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6)
 

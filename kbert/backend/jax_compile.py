@@ -38,10 +38,10 @@ from kbert.backend import jax_on_accelerator, keras_internals
 # Background compilations run at once (their traces one at a time).
 WORKERS = 4
 
-# The shapes each model's jitted Keras steps have run: model -> {kind:
-# (weak reference to Keras' step function, shape keys)}. Keras keeps its
-# step function from one `fit` to the next (until `compile` makes a new
-# one), and with it the programs of those shapes.
+# The programs each model's jitted Keras steps have run: model -> {kind:
+# (weak reference to Keras' step function, {(batch structure, shape
+# key)})}. Keras keeps its step function from one `fit` to the next (until
+# `compile` makes a new one), and with it those programs.
 _RAN = weakref.WeakKeyDictionary()
 
 

@@ -9,6 +9,10 @@ only this package asks which backend runs.
 - `jax_ops`, `torch_ops`: their JAX and torch implementations.
 - `torch_step`: the torch backend's training step (no host-device
   synchronisation; replayed as a CUDA graph on a GPU).
+- `torch_triton`: the torch backend's Adam update as a Triton kernel on a
+  GPU.
+- `jax_compile`: a JAX `fit`'s batch shapes compiled ahead, in background
+  threads, on a GPU or TPU.
 - `tensorflow`: tf.distribute helpers (replica sums, multi-worker logs).
 - `keras_internals`: every use of private Keras API.
 """

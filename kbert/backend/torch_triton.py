@@ -143,9 +143,9 @@ def adam_update(variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon
     if torch.compiler.is_compiling():
         return False  # torch.compile traces the foreach passes instead
     kernels = _adam_kernel()
-    tensors = [alpha, *variables, *grads, *m_list, *v_list]
-    if kernels is None or not all(map(_number, (beta_1, beta_2, epsilon))):
+    if kernels is None or not alpha.is_cuda or not all(map(_number, (beta_1, beta_2, epsilon))):
         return False
+    tensors = [alpha, *variables, *grads, *m_list, *v_list]
     if not _fits(tensors) or len({t.device for t in tensors}) != 1:
         return False
     shapes_match = all(

@@ -49,12 +49,31 @@ def jax_on_accelerator():
     return jax.default_backend() != "cpu"
 
 
+def on_accelerator():
+    """Whether the backend computes on a GPU or TPU (Keras' default device)."""
+    if is_jax():
+        return jax_on_accelerator()
+    if is_tensorflow():
+        import tensorflow as tf  # the backend: already imported by Keras
+
+        return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+    from kbert.backend import keras_internals
+
+    return not str(keras_internals.torch_device()).startswith("cpu")
+
+
 def compiles_per_shape(model=None):
     """Whether a new input shape costs a compilation or a capture: XLA on
-    JAX and TensorFlow, CUDA graphs on torch with a GPU, torch.compile
-    (`model.jit_compile`). False for eager torch on a CPU."""
-    if not is_torch():
+    JAX; on TensorFlow where the model is jit-compiled (Keras' default with
+    a GPU or TPU; on a CPU Keras runs a `tf.function` with
+    `reduce_retracing`, which takes any length after its second trace);
+    CUDA graphs on torch with a GPU, torch.compile (`model.jit_compile`).
+    False for eager torch on a CPU."""
+    if is_jax():
         return True
+    if is_tensorflow():
+        jit = getattr(model, "jit_compile", None)
+        return on_accelerator() if jit is None else jit is True
     if model is not None and getattr(model, "jit_compile", False) is True:
         return True
     from kbert.backend import keras_internals

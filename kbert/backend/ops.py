@@ -67,6 +67,16 @@ per call) that is a no-op there: the torch GPU step is host-bound.
 (on torch `masked_fill`: `full_like` there reads the number back from the
 GPU, a synchronisation that breaks CUDA-graph capture).
 
+`token_packing(inputs, padding_mask)`: the encoder block runs its dense
+layers, LayerNorms and dropout on the real tokens only, an (n, H) matrix,
+and scatters them back around attention and at its output. On torch for
+eager CPU tensors whose batch is at least 1/8 padding (attention per group
+of rows of similar length), on TensorFlow without XLA on a CPU
+(`token_packing_path` says which path a batch takes); the padded path
+elsewhere: a step compiled or captured per shape cannot take a
+data-dependent token count. Outputs at real tokens are the padded path's;
+at padding positions the block passes its inputs through.
+
 `reverse_table_padding(rows)`: JAX pads the MLM decoder's vocabulary table to
 a multiple of 64 rows (tensor-core alignment; the logits are sliced back).
 """
@@ -186,6 +196,24 @@ def fused_layer_norm(x, gamma, beta, epsilon):
     if backend.is_jax():
         return jax_ops.layer_norm(x, gamma, beta, epsilon)
     return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
+
+
+def token_packing(inputs, padding_mask):
+    """An object with `gather` ((B, T, C) -> (n, C), the real tokens),
+    `scatter` (back) and `attention_groups` for this block input, or None
+    where the block runs on the padded batch."""
+    if backend.is_torch():
+        return torch_ops.token_packing(inputs, padding_mask)
+    if backend.is_tensorflow():
+        from kbert.backend import tensorflow as tf_backend
+
+        return tf_backend.token_packing(inputs, padding_mask)
+    return None
+
+
+def token_packing_path(inputs, padding_mask):
+    """'packed' or 'padded': how an encoder block runs on this batch."""
+    return "padded" if token_packing(inputs, padding_mask) is None else "packed"
 
 
 def sublayer_call(layer, *args, **kwargs):

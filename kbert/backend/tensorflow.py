@@ -74,3 +74,71 @@ def multi_worker_logs(model, logs):
         k: tf.reshape(v, (1,)) if tf.is_tensor(v) and v.shape.rank == 0 else v
         for k, v in logs.items()
     }
+
+
+def in_xla_context():
+    """Whether the code being traced will be compiled by XLA
+    (`tf.function(jit_compile=True)`), where shapes must be static.
+    `control_flow_util` is TensorFlow's private module (TF 2.18-2.21
+    checked); without it, the answer is True (the safe one)."""
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:
+        return True
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+class TokenPacking:
+    """`kbert.backend.torch_ops.TokenPacking` in TensorFlow ops: the real
+    tokens of a (B, T) batch as one (n, C) matrix (a shape known only when
+    the graph runs), with attention over the whole padded batch."""
+
+    def __init__(self, keep):
+        import tensorflow as tf
+
+        self.tf = tf
+        shape = tf.shape(keep, out_type=tf.int64)
+        self.batch, self.length = shape[0], shape[1]
+        self.index = tf.where(tf.reshape(keep, [-1]))[:, 0]  # (n,)
+        self.padding_mask = keep
+
+    def gather(self, x):
+        """(B, T, C) -> (n, C)."""
+        tf = self.tf
+        x = tf.convert_to_tensor(x)
+        return tf.gather(tf.reshape(x, [-1, x.shape[-1]]), self.index)
+
+    def scatter(self, x, base=None):
+        """(n, C) -> (B, T, C): `base` with its real tokens' rows replaced
+        by `x`; without `base`, zeros elsewhere."""
+        tf = self.tf
+        channels = x.shape[-1]
+        if base is None:
+            shape = tf.stack([self.batch * self.length, tf.constant(channels, tf.int64)])
+            rows = tf.scatter_nd(self.index[:, None], x, shape)
+        else:
+            base = tf.reshape(tf.convert_to_tensor(base), [-1, channels])
+            rows = tf.tensor_scatter_nd_update(base, self.index[:, None], x)
+        return tf.reshape(rows, [self.batch, self.length, channels])
+
+    def attention_groups(self):
+        """One group: the padded batch itself (see the torch version)."""
+        return [self]
+
+    def merge(self, parts, groups):
+        return parts[0]
+
+
+def token_packing(inputs, padding_mask):
+    """A `TokenPacking` where TensorFlow runs without XLA on a CPU (Keras'
+    default there), else None. Under XLA shapes must be static; on a GPU
+    the data-dependent token count would stop the stream at each block."""
+    if backend.on_accelerator() or in_xla_context():
+        return None
+    import tensorflow as tf
+
+    if len(inputs.shape) != 3 or inputs.shape[-1] is None:
+        return None
+    return TokenPacking(tf.not_equal(tf.convert_to_tensor(padding_mask), 0))

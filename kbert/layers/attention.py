@@ -79,8 +79,28 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         return "explicit" if dropping and not attention_dropout_is_fused() else "fused"
 
     def call(self, inputs, padding_mask, training=None):
-        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
-        qkv = sublayer_call(self.qkv, inputs, training=training)
+        qkv = sublayer_call(self.qkv, inputs, training=training)  # (B, T, 3H)
+        context = self._attend(qkv, padding_mask, training)
+        return sublayer_call(self.output_dense, context, training=training)
+
+    def call_packed(self, tokens, packing, training=None):
+        """`call` on the real tokens only: `tokens` (n, H) are the rows
+        `packing.gather` took from a padded batch. The projections run on
+        them; attention runs per group of rows of similar length
+        (`packing.attention_groups()`), each padded to its own longest.
+        Returns (n, H)."""
+        qkv = sublayer_call(self.qkv, tokens, training=training)  # (n, 3H)
+        groups = packing.attention_groups()
+        parts = [
+            group.gather(self._attend(group.scatter(qkv), group.padding_mask, training))
+            for group in groups
+        ]  # (n_g, H) each
+        context = packing.merge(parts, groups)  # (n, H)
+        return sublayer_call(self.output_dense, context, training=training)
+
+    def _attend(self, qkv, padding_mask, training):
+        """(B, T, 3H) projections -> (B, T, H) attention context."""
+        batch, length = ops.shape(qkv)[0], ops.shape(qkv)[1]
         qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, D)
 
@@ -97,8 +117,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
             keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
             context = self._explicit_attention(query, key, value, keep, scale, training)
-        context = ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
-        return sublayer_call(self.output_dense, context, training=training)
+        return ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
 
     def _explicit_attention(self, query, key, value, keep, scale, training):
         scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)

@@ -5,7 +5,7 @@ Shapes: B batch, T tokens, H hidden, I intermediate (feed-forward) width.
 
 import keras
 
-from kbert.backend.ops import sublayer_call
+from kbert.backend.ops import sublayer_call, token_packing
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
@@ -120,7 +120,22 @@ class TransformerEncoderBlock(keras.layers.Layer):
 
     def call(self, inputs, padding_mask, training=None):
         run = sublayer_call  # layer(...), minus Keras' per-call overhead on torch
-        attended = run(self.self_attention, inputs, padding_mask, training=training)
+        packing = token_packing(inputs, padding_mask)
+        if packing is None:
+            attended = run(self.self_attention, inputs, padding_mask, training=training)
+            return self._residual_layers(inputs, attended, training)
+        # The real tokens only, as (n, H) rows: see `kbert.backend.ops`.
+        # Padding positions keep their inputs: zeros there would reach a
+        # head's LayerNorm as constant vectors, whose gradient overflows
+        # float16 (1 / sqrt(epsilon)).
+        tokens = packing.gather(inputs)
+        attended = self.self_attention.call_packed(tokens, packing, training)
+        return packing.scatter(self._residual_layers(tokens, attended, training), base=inputs)
+
+    def _residual_layers(self, inputs, attended, training):
+        """Everything after attention; acts on each token alone, so the
+        rows may be a (B, T, H) batch or (n, H) real tokens."""
+        run = sublayer_call
         attended = run(self.attention_dropout_layer, attended, training=training)
         if self.attention_adapter is not None:
             attended = self.attention_adapter(attended)

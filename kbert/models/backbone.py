@@ -237,19 +237,31 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
     def predict_on_batch(self, x):
         """Keras `predict_on_batch`; inputs of any length are checked, padded
         to their bucket length (a compiled backend compiles once per bucket,
-        not once per length) and `sequence_output` sliced back."""
+        not once per length) and `sequence_output` brought back to the input
+        length. On JAX and TensorFlow on a CPU a batch of rows of mixed
+        length runs as groups of rows of similar length, each cut to its own
+        bucket (`kbert.models.batching.length_groups`); outputs at padding
+        positions beyond a group's bucket are zeros."""
         self.check_inputs(x)
-        length = None
-        if isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values()):
-            x, length = batching.pad_to_bucket(
-                x, batching.default_multiple(self), limit=self.max_sequence_length
-            )
+        if not (isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values())):
+            with checks.inputs_checked_on_host():
+                return super().predict_on_batch(x)
+        groups = batching.length_groups(
+            x,
+            batching.default_multiple(self),
+            self.max_sequence_length,
+            split=batching.splits_batches(self),
+        )
         with checks.inputs_checked_on_host():
-            out = super().predict_on_batch(x)
-        if length is not None and length != x["padding_mask"].shape[-1]:
-            out = {**out, "sequence_output": out["sequence_output"][:, :length]}
-            if "hidden_states" in out:  # (B, L + 1, T, H)
-                out["hidden_states"] = out["hidden_states"][:, :, :length]
+            return batching.predict_in_groups(
+                x, groups, super().predict_on_batch, self._fit_token_axes
+            )
+
+    def _fit_token_axes(self, out, full):
+        """Outputs with their token axes cut or padded (zeros) to `full`."""
+        out = {**out, "sequence_output": batching.fit_token_axis(out["sequence_output"], full)}
+        if "hidden_states" in out:  # (B, L + 1, T, H)
+            out["hidden_states"] = batching.fit_token_axis(out["hidden_states"], full, axis=2)
         return out
 
     def get_config(self):

@@ -24,7 +24,13 @@ predictions are returned in input order).
 import keras
 import numpy as np
 
-from kbert.backend import compiles_per_shape, is_tensorflow, jax_on_accelerator
+from kbert.backend import (
+    compiles_per_shape,
+    is_tensorflow,
+    is_torch,
+    jax_on_accelerator,
+    on_accelerator,
+)
 
 # Bucket lengths are multiples of this where each new length is compiled or
 # captured: 16 compiles at most 8 programs for T = 128 and wastes at most 15
@@ -42,7 +48,7 @@ GROUP_CHUNK = 50
 def default_multiple(model=None):
     """The multiple `bucket_lengths=True` means: `MULTIPLE` where a new
     length costs a compilation or a CUDA-graph capture; 1 for eager torch
-    on a CPU, where nothing is compiled and each batch is cut to its
+    and for TensorFlow without XLA on a CPU, where each batch is cut to its
     longest sequence, as transformers' dynamic padding does;
     `ACCELERATOR_MULTIPLE` for JAX on a GPU or TPU, where each compilation
     costs seconds (both faster there: benchmarks/RESULTS.md)."""
@@ -283,6 +289,97 @@ def pad_to_bucket(x, multiple=MULTIPLE, limit=None):
         return np.pad(np.asarray(value), widths)
 
     return {name: pad(name, value) for name, value in x.items()}, length
+
+
+# `predict_on_batch` on JAX or TensorFlow on a CPU splits a batch into 2 or
+# 4 groups of rows of similar length, each cut to its own bucket, where that
+# saves at least a tenth of the work; each group has at least 8 rows.
+SPLIT_COUNTS = (2, 4)
+SPLIT_MIN_ROWS = 8
+SPLIT_MIN_SAVING = 0.1
+
+
+def splits_batches(model=None):
+    """Whether `predict_on_batch` splits a batch by row length: JAX and
+    TensorFlow on a CPU, where the work and its time follow the shape.
+    Eager torch on a CPU drops the padding inside each block instead
+    (`kbert.backend.ops.token_packing`); on a GPU a batch of a few thousand
+    tokens takes about the same time at any length, and each new shape
+    costs a compilation or a capture."""
+    return not is_torch() and not on_accelerator()
+
+
+def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
+    """A model-input batch -> [(rows, length)]: groups of its rows (index
+    arrays, sorted by length) that together hold each row once, each with
+    its bucket length. One group, all rows at the bucket of the batch's
+    length (as `pad_to_bucket`), without `split` or where splitting saves
+    less than `SPLIT_MIN_SAVING` of the work (rows x length)."""
+    full = int(np.shape(x["padding_mask"])[-1])
+    limit = limit or full + multiple
+    needed = extents(x["padding_mask"])
+    order = np.argsort(needed, kind="stable")
+
+    def plan(count):
+        return [
+            (rows, max(bucket_length(needed[rows].max(), limit, multiple), 1))
+            for rows in np.array_split(order, count)
+        ]
+
+    def work(groups):
+        return sum(len(rows) * length for rows, length in groups)
+
+    whole = [(np.arange(len(order)), max(bucket_length(full, limit, multiple), full))]
+    if not split:
+        return whole
+    best = plan(1)
+    for count in SPLIT_COUNTS:
+        if len(order) // count >= SPLIT_MIN_ROWS and work(plan(count)) < work(best):
+            best = plan(count)
+    if len(best) == 1 or work(best) > (1 - SPLIT_MIN_SAVING) * work(whole):
+        return whole
+    return best
+
+
+def take_rows(x, rows, length):
+    """Rows `rows` of a model-input batch, token inputs cut or padded (with
+    padding) to `length`."""
+
+    def take(name, value):
+        value = np.asarray(value)[rows]
+        if name not in TOKEN_INPUTS:
+            return value
+        have = value.shape[-1]
+        if have >= length:
+            return value[..., :length]
+        widths = [(0, 0)] * value.ndim
+        widths[-1] = (0, length - have)
+        return np.pad(value, widths)
+
+    return {name: take(name, value) for name, value in x.items()}
+
+
+def fit_token_axis(value, full, axis=1, fill=0.0):
+    """Per-token outputs cut or padded (with `fill`) on `axis` to `full`."""
+    length = value.shape[axis]
+    if length >= full:
+        return value[(slice(None),) * axis + (slice(0, full),)]
+    widths = [(0, 0)] * value.ndim
+    widths[axis] = (0, full - length)
+    return np.pad(value, widths, constant_values=fill)
+
+
+def predict_in_groups(x, groups, run, restore):
+    """`run` on each group of `length_groups`, outputs back in row order.
+
+    `restore(out, full)`: one group's outputs with their token axes brought
+    to the batch's length `full`."""
+    full = int(np.shape(x["padding_mask"])[-1])
+    if len(groups) == 1 and len(groups[0][0]) == len(x["padding_mask"]):
+        return restore(run(take_rows(x, slice(None), groups[0][1])), full)
+    parts = [restore(run(take_rows(x, rows, length)), full) for rows, length in groups]
+    parts = keras.tree.map_structure(np.asarray, parts)
+    return unsort(parts, [rows for rows, _ in groups], len(x["padding_mask"]))
 
 
 # Marks the message of an in-graph input check, so that the error raised

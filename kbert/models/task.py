@@ -328,19 +328,31 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
     def predict_on_batch(self, x):
         """Keras `predict_on_batch`; model inputs of any length are checked,
         padded to their bucket length (so a compiled backend compiles once
-        per bucket) and per-token outputs sliced back."""
+        per bucket) and per-token outputs brought back to the input length.
+        On JAX and TensorFlow on a CPU a batch of rows of mixed length runs
+        as groups of rows of similar length, each cut to its own bucket
+        (`kbert.models.batching.length_groups`)."""
         x = self.preprocess_samples(x)
         if not isinstance(x, dict) or not batching.can_bucket(x):
             return super().predict_on_batch(x)
         checks.check_model_inputs(x, **self.input_limits())
-        padded, length = batching.pad_to_bucket(
-            x, batching.default_multiple(self), limit=self.backbone.max_sequence_length
+        groups = batching.length_groups(
+            x,
+            batching.default_multiple(self),
+            self.backbone.max_sequence_length,
+            split=batching.splits_batches(self),
         )
+
+        def restore(out, full):
+            if not self.token_outputs:
+                return out
+            return keras.tree.map_structure(
+                lambda v: batching.fit_token_axis(np.asarray(v), full, fill=self.token_output_fill),
+                out,
+            )
+
         with checks.inputs_checked_on_host():
-            out = super().predict_on_batch(padded)
-        if self.token_outputs and padded["padding_mask"].shape[-1] != length:
-            out = keras.tree.map_structure(lambda v: v[:, :length], out)
-        return out
+            return batching.predict_in_groups(x, groups, super().predict_on_batch, restore)
 
     def __call__(self, inputs, *args, **kwargs):
         if isinstance(inputs, dict) and not checks.host_checked():

@@ -54,8 +54,11 @@ def cosine_loss(teacher_hidden, student_hidden, padding_mask):
     t = ops.cast(teacher_hidden, "float32")
     s = ops.cast(student_hidden, "float32")
     dot = ops.sum(t * s, axis=-1)
-    norms = ops.sqrt(ops.sum(t * t, axis=-1) * ops.sum(s * s, axis=-1))
-    cos = dot / ops.maximum(norms, 1e-8)  # (B, T)
+    # max(|t| |s|, 1e-8) with the floor under the square root: a zero
+    # vector (the backbone's output at padding may be one) then has a zero
+    # gradient, where sqrt(0) would give 0 * inf = NaN.
+    norms = ops.sqrt(ops.maximum(ops.sum(t * t, axis=-1) * ops.sum(s * s, axis=-1), 1e-16))
+    cos = dot / norms  # (B, T)
     return _weighted_mean(1.0 - cos, padding_mask)
 
 

@@ -522,3 +522,133 @@ def test_gpu_attention_leaves_out_cudnn_and_keeps_the_kernels_a_user_turned_off(
         assert torch_ops._gpu_attention_kernels() is None
     finally:
         switch(**before)
+
+
+def _padded_batch(batch=6, length=9, hidden=16, seed=3):
+    rng = np.random.default_rng(seed)
+    lengths = np.array([length, 1, 4, 2, 7, 3][:batch])
+    mask = (np.arange(length)[None] < lengths[:, None]).astype("int32")  # 1/2 padding
+    mask[2] = mask[2, ::-1]  # padding first
+    mask[4, 3] = 0  # a hole: attention needs no contiguous tokens
+    x = rng.normal(size=(batch, length, hidden)).astype("float32")
+    return x, mask
+
+
+def test_encoder_block_on_packed_tokens_equals_the_padded_block(monkeypatch):
+    """Packing (eager torch and TensorFlow without XLA, on a CPU; batches
+    with padding) changes nothing at the real tokens, forward or backward,
+    and passes the inputs through at the padding."""
+    from kbert.layers import encoder
+    from kbert.layers.encoder import TransformerEncoderBlock
+
+    x, mask = _padded_batch()
+    block = TransformerEncoderBlock(4, 16, 32, dropout=0.0, attention_dropout=0.0, adapter_size=3)
+    block.build(x.shape)
+    name = keras.backend.backend()
+    x_t, mask_t = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(mask)
+    assert fused.token_packing_path(x_t, mask_t) == ("padded" if name == "jax" else "packed")
+    if name == "torch":  # too little padding to pay for packing
+        full = np.ones_like(mask)
+        assert fused.token_packing_path(x_t, keras.ops.convert_to_tensor(full)) == "padded"
+    real = mask[..., None].astype(bool)
+    packed = keras.ops.convert_to_numpy(block(x_t, mask_t))
+    if name != "jax":  # the padding rows pass through
+        np.testing.assert_array_equal(packed[~real[..., 0]], x[~real[..., 0]])
+    with monkeypatch.context() as patch:
+        patch.setattr(encoder, "token_packing", lambda *args: None)
+        padded = keras.ops.convert_to_numpy(block(x_t, mask_t))
+    np.testing.assert_allclose(np.where(real, packed, 0), np.where(real, padded, 0), atol=1e-5)
+    if name == "tensorflow":
+        import tensorflow as tf
+
+        def gradients(packing):
+            with monkeypatch.context() as patch:
+                if not packing:
+                    patch.setattr(encoder, "token_packing", lambda *args: None)
+                with tf.GradientTape() as tape:
+                    tape.watch(x_t)
+                    out = block(x_t, mask_t, training=True)
+                    loss = tf.reduce_sum(out * tf.cast(mask_t, "float32")[..., None])
+                return tape.gradient(loss, [x_t, *block.trainable_variables])
+
+        for a, b in zip(gradients(True), gradients(False)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        # Under XLA the shapes must be static: the block runs padded there.
+        paths = []
+
+        def probe(inputs):
+            paths.append(fused.token_packing_path(inputs, mask_t))
+            return inputs
+
+        tf.function(probe, jit_compile=True)(x_t)
+        tf.function(probe)(x_t)
+        assert paths == ["padded", "packed"]
+    if name != "torch":
+        return
+    import torch
+
+    from kbert.backend import torch_ops
+
+    def run(packing, group_cost=torch_ops.GROUP_COST):
+        monkeypatch.setattr(torch_ops, "PACK_MIN_PADDING", 0.125 if packing else 2.0)
+        monkeypatch.setattr(torch_ops, "GROUP_COST", group_cost)
+        inputs = torch.tensor(x, requires_grad=True)
+        assert fused.token_packing_path(inputs, mask_t) == ("packed" if packing else "padded")
+        out = block(inputs, mask_t, training=True)
+        (out * torch.tensor(mask)[..., None] * torch.arange(16.0)).sum().backward()
+        grads = [v.value.grad.clone() for v in block.trainable_variables]
+        for v in block.trainable_variables:
+            v.value.grad = None
+        return out.detach().numpy(), inputs.grad.numpy(), [g.numpy() for g in grads]
+
+    padded, padded_dx, padded_grads = run(False)
+    real = mask[..., None].astype(bool)
+    # One attention group (these rows are short), then a group per 2 rows.
+    for group_cost, groups in ((torch_ops.GROUP_COST, 1), (0, 3)):
+        packing = torch_ops.TokenPacking(torch.tensor(mask) != 0)
+        monkeypatch.setattr(torch_ops, "GROUP_COST", group_cost)
+        assert len(packing.attention_groups()) == groups
+        packed, packed_dx, packed_grads = run(True, group_cost)
+        np.testing.assert_allclose(np.where(real, packed, 0), np.where(real, padded, 0), atol=1e-5)
+        np.testing.assert_array_equal(packed[~real[..., 0]], x[~real[..., 0]])
+        np.testing.assert_allclose(packed_dx * real, padded_dx * real, atol=1e-5)
+        assert len(packed_grads) == len(padded_grads) == len(block.trainable_variables)
+        for a, b in zip(packed_grads, padded_grads):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # inference: oneDNN's product on the packed rows
+        np.testing.assert_allclose(
+            np.where(real, block(torch.tensor(x), mask_t).numpy(), 0),
+            np.where(real, padded, 0),
+            atol=1e-5,
+        )
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="packing is torch's CPU path")
+def test_token_packing_needs_enough_padding_and_a_cpu_tensor(monkeypatch):
+    import torch
+
+    from kbert.backend import torch_ops
+
+    x, mask = _padded_batch()
+    mask = torch.tensor(mask)
+    packing = torch_ops.token_packing(torch.tensor(x), mask)
+    assert packing is not None and packing.index.tolist() == np.flatnonzero(mask.numpy()).tolist()
+    # Every real token sits in one attention group, its row's tokens first.
+    monkeypatch.setattr(torch_ops, "GROUP_COST", 0)
+    groups = packing.attention_groups()
+    assert sorted(torch.cat([g.rows for g in groups]).tolist()) == list(range(int(mask.sum())))
+    for g in groups:
+        assert g.padding_mask.sum() == len(g.rows)
+        counts = g.padding_mask.cumsum(1)
+        assert (counts == counts.max(1, keepdim=True)[0]).any(1).all()
+    rows = packing.gather(torch.tensor(x))
+    assert rows.shape == (int(mask.sum()), 16)
+    np.testing.assert_array_equal(packing.scatter(rows).numpy(), x * mask.numpy()[..., None])
+    np.testing.assert_array_equal(packing.scatter(rows, base=torch.tensor(x)).numpy(), x)
+    few = torch.ones_like(mask)
+    few[0, -1] = 0  # 1 padding token in 54: packing would save too little
+    assert torch_ops.token_packing(torch.tensor(x), few) is None
+    assert torch_ops.token_packing(torch.tensor(x, device="meta"), mask) is None
+    # All padding: n = 0 rows, still defined.
+    empty = torch_ops.token_packing(torch.tensor(x), torch.zeros_like(mask))
+    assert empty.gather(torch.tensor(x)).shape == (0, 16)

@@ -126,6 +126,60 @@ def test_predict_on_batch_pads_to_bucket_and_slices_back():
     np.testing.assert_allclose(out[real], full[:, :longest][real], atol=1e-5)
 
 
+def test_length_groups_hold_every_row_once_at_its_bucket():
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate([rng.integers(2, 9, 24), [64] * 8])  # short rows, a few long
+    mask = (np.arange(64) < lengths[:, None]).astype("int32")
+    x = {"token_ids": mask.copy(), "segment_ids": 0 * mask, "padding_mask": mask}
+    groups = batching.length_groups(x, 16, 128)
+    assert len(groups) == 4
+    rows = np.concatenate([r for r, _ in groups])
+    assert sorted(rows.tolist()) == list(range(32))
+    for r, length in groups:
+        assert len(r) == 8 and length % 16 == 0
+        assert length >= lengths[r].max() and length - lengths[r].max() < 16
+    # far less work than one batch at 64 columns
+    assert sum(len(r) * n for r, n in groups) < 0.5 * 32 * 64
+    # rows of one length, or too few rows: one group, as `pad_to_bucket` pads
+    same = {k: v[24:] for k, v in x.items()}
+    assert [n for _, n in batching.length_groups(same, 16, 128)] == [64]
+    few = {k: v[20:30] for k, v in x.items()}
+    assert len(batching.length_groups(few, 16, 128)) == 1
+    assert len(batching.length_groups(x, 16, 128, split=False)) == 1
+
+
+@pytest.mark.parametrize("name", ["backbone", "classifier", "tagger", "qa", "choice"])
+def test_predict_on_batch_of_mixed_lengths_equals_one_padded_batch(name, monkeypatch):
+    """Rows split into groups of similar length (forced here on every
+    backend), each cut to its own bucket: the outputs at real tokens are
+    those of the whole batch padded to one length, in the input order."""
+    if name == "backbone":
+        model = backbone()
+        x = inputs(seed=4)
+    else:
+        model, _, _, _ = task(name)
+        x = inputs(seed=4, choices=2 if name == "choice" else None)
+    x = {k: np.concatenate([v, v[:4]]) for k, v in x.items()}  # 16 rows: 2 groups of 8
+    x["padding_mask"][1::2, ..., 5:] = 0  # every other row short
+    x["token_ids"] *= x["padding_mask"]
+    monkeypatch.setattr(batching, "splits_batches", lambda model=None: True)
+    groups = batching.length_groups(x, 16, 32)
+    assert len(groups) > 1 and min(n for _, n in groups) < 32
+    out = model.predict_on_batch(x)
+    full = keras.Model.predict_on_batch(model, x)
+    if name == "backbone":
+        np.testing.assert_allclose(out["pooled_output"], full["pooled_output"], atol=1e-5)
+        out, full = out["sequence_output"], full["sequence_output"]
+    out, full = keras.tree.flatten(out), keras.tree.flatten(full)
+    real = x["padding_mask"] > 0
+    for a, b in zip(out, full):
+        assert a.shape == b.shape
+        if a.shape[:2] == real.shape:  # per token
+            np.testing.assert_allclose(a[real], b[real], atol=1e-5)
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("group", [False, True])
 def test_each_example_once_per_epoch_in_a_seeded_order(group):
     x = inputs()
@@ -207,12 +261,16 @@ def test_jax_on_an_accelerator_fits_one_shape(monkeypatch):
 
 def test_default_multiple_follows_what_a_new_length_costs():
     """Buckets of 16 where each new length is compiled or captured (JAX,
-    TensorFlow, torch on a GPU or under torch.compile); on eager torch on a
-    CPU each batch is cut to its longest sequence."""
+    TensorFlow with XLA, torch on a GPU or under torch.compile); on eager
+    torch and on TensorFlow without XLA on a CPU each batch is cut to its
+    longest sequence."""
     model, x, _, _ = task("classifier")
-    eager_torch_cpu = keras.backend.backend() == "torch" and not _cuda()
-    assert batching.default_multiple(model) == (1 if eager_torch_cpu else batching.MULTIPLE)
-    if keras.backend.backend() == "torch":
+    name = keras.backend.backend()
+    eager_cpu = (name == "torch" and not _cuda()) or (
+        name == "tensorflow" and not model.jit_compile
+    )
+    assert batching.default_multiple(model) == (1 if eager_cpu else batching.MULTIPLE)
+    if name in ("torch", "tensorflow"):
         model.compile(optimizer="sgd", jit_compile=True)
         assert batching.default_multiple(model) == batching.MULTIPLE
     # predict_on_batch pads a batch to the default bucket and slices it back

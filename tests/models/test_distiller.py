@@ -58,6 +58,32 @@ def test_cosine_and_hidden_losses_hand_computed():
     assert abs(value(distillation.hidden_state_mse(teacher, student, mask)) - expected) < 1e-6
 
 
+def test_cosine_loss_gradient_is_finite_at_zero_vectors():
+    """A backbone's output at padding may be all zeros (torch on a CPU): the
+    masked-out tokens must not turn the gradient into NaN."""
+    teacher = np.array([[[1.0, 2.0], [0.0, 0.0]]], "float32")
+    student = np.array([[[2.0, 1.0], [0.0, 0.0]]], "float32")
+    mask = np.array([[1, 0]], "int32")
+    student_var = keras.Variable(student)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        grad = jax.grad(lambda s: distillation.cosine_loss(teacher, s, mask))(student)
+    elif keras.backend.backend() == "torch":
+        loss = distillation.cosine_loss(teacher, student_var.value, mask)
+        loss.backward()
+        grad = student_var.value.grad
+    else:
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = distillation.cosine_loss(teacher, student_var.value, mask)
+        grad = tape.gradient(loss, student_var.value)
+    grad = keras.ops.convert_to_numpy(grad)
+    assert np.all(np.isfinite(grad))
+    assert np.all(grad[0, 1] == 0) and np.any(grad[0, 0] != 0)
+
+
 def test_attention_score_mse_hand_computed():
     teacher = np.zeros((1, 1, 2, 2), "float32")
     student = np.array([[[[1.0, 2.0], [3.0, 4.0]]]], "float32")
@@ -175,7 +201,8 @@ def test_task_distillation_losses_match_numpy():
     expected["task_loss"] = -np_log_softmax(out["student_logits"])[np.arange(4), labels].mean()
 
     def cos(a, b):
-        return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+        norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+        return (a * b).sum(-1) / np.maximum(norms, 1e-8)
 
     real = mask.sum() + 1e-5
     last_t, last_s = out["teacher_hidden_2"], out["student_hidden_1"]

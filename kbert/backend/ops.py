@@ -81,6 +81,8 @@ at padding positions the block passes its inputs through.
 a multiple of 64 rows (tensor-core alignment; the logits are sliced back).
 """
 
+import contextlib
+
 import keras
 from keras import ops
 
@@ -198,10 +200,28 @@ def fused_layer_norm(x, gamma, beta, epsilon):
     return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
 
 
+# Nesting depth of `padded_blocks()`.
+_PADDED_ONLY = [0]
+
+
+@contextlib.contextmanager
+def padded_blocks():
+    """Within the block, encoder blocks run on the padded batch: for graphs
+    traced to be saved (SavedModel, ONNX), which must run anywhere, at any
+    shape, on any device."""
+    _PADDED_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _PADDED_ONLY[0] -= 1
+
+
 def token_packing(inputs, padding_mask):
     """An object with `gather` ((B, T, C) -> (n, C), the real tokens),
     `scatter` (back) and `attention_groups` for this block input, or None
     where the block runs on the padded batch."""
+    if _PADDED_ONLY[0]:
+        return None
     if backend.is_torch():
         return torch_ops.token_packing(inputs, padding_mask)
     if backend.is_tensorflow():

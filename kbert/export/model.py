@@ -23,6 +23,7 @@ import keras
 import numpy as np
 
 from kbert import backend as kbert_backend
+from kbert.backend.ops import padded_blocks
 from kbert.export.process import in_tensorflow
 
 FORMATS = ("tf_saved_model", "onnx")
@@ -96,6 +97,11 @@ def export_model(model, filepath, format="tf_saved_model", verbose=None, **kwarg
     >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
     >>> export_model(backbone, "/tmp/backbone.onnx", format="onnx", verbose=False)
     """
+    with padded_blocks():  # a saved graph runs anywhere: no token packing
+        return _export_model(model, filepath, format, verbose, **kwargs)
+
+
+def _export_model(model, filepath, format="tf_saved_model", verbose=None, **kwargs):
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: kbert exports {FORMATS}")
     filepath = os.fspath(filepath)

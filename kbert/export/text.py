@@ -19,6 +19,7 @@ Signatures by task (B batch, T tokens, C classes, H hidden):
 """
 
 from kbert import backend as kbert_backend
+from kbert.backend.ops import padded_blocks
 from kbert.export.process import in_tensorflow
 
 TASKS = ("BertClassifier", "BertTextEmbedder", "BertTokenClassifier", "BertQuestionAnswerer")
@@ -67,12 +68,13 @@ def export_text_model(model, filepath, verbose=False):
     module = tf.Module()
     module.model_variables = list(model.variables)  # saved with the graph
     signatures = {}
-    for name, (fn, signature) in endpoints.items():
-        function = tf.function(fn, input_signature=signature, autograph=False)
-        setattr(module, name, function)
-        signatures[name] = function.get_concrete_function()  # one trace each
-    signatures["serving_default"] = signatures["serve"]
-    tf.saved_model.save(module, filepath, signatures=signatures)
+    with padded_blocks():  # a saved graph runs anywhere: no token packing
+        for name, (fn, signature) in endpoints.items():
+            function = tf.function(fn, input_signature=signature, autograph=False)
+            setattr(module, name, function)
+            signatures[name] = function.get_concrete_function()  # one trace each
+        signatures["serving_default"] = signatures["serve"]
+        tf.saved_model.save(module, filepath, signatures=signatures)
     if verbose:
         print(f"Saved {model.name} taking raw strings at {filepath}: {sorted(endpoints)}")
     return filepath

@@ -67,7 +67,7 @@ def training_multiple(model, x):
     """
     if jax_on_accelerator() and can_bucket(x):
         full = np.shape(x["padding_mask"])[-1]
-        return bucket_length(int(np.max(extents(x["padding_mask"]), initial=1)), full)
+        return bucket_length(int(np.max(needed_lengths(x), initial=1)), full)
     return default_multiple(model)
 
 
@@ -83,6 +83,18 @@ def extents(padding_mask):
     flat = mask.reshape(mask.shape[0], -1, mask.shape[-1]).any(axis=1)  # (N, T)
     last = flat.shape[-1] - np.argmax(flat[:, ::-1], axis=-1)
     return np.where(flat.any(axis=-1), last, 1)
+
+
+def needed_lengths(x):
+    """Per example, the columns a cut must keep: through its last real
+    token (`extents`) and through its `mask_positions` (pre-training), whose
+    padded prediction slots may point at padding."""
+    lengths = extents(x["padding_mask"])
+    positions = x.get("mask_positions")
+    if positions is not None:
+        positions = np.asarray(positions).reshape(len(lengths), -1)
+        lengths = np.maximum(lengths, positions.max(axis=1, initial=0) + 1)
+    return lengths
 
 
 def can_bucket(x, *structures):
@@ -189,7 +201,7 @@ class BucketedBatches(BatchList):
         self.token_targets = token_targets
         self.multiple = multiple
         self.full = int(x["padding_mask"].shape[-1])
-        self.lengths = extents(x["padding_mask"])
+        self.lengths = needed_lengths(x)
         self.epochs = 0
         self.order_batches()
 
@@ -317,7 +329,7 @@ def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
     less than `SPLIT_MIN_SAVING` of the work (rows x length)."""
     full = int(np.shape(x["padding_mask"])[-1])
     limit = limit or full + multiple
-    needed = extents(x["padding_mask"])
+    needed = needed_lengths(x)
     order = np.argsort(needed, kind="stable")
 
     def plan(count):

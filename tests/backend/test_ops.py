@@ -9,6 +9,19 @@ from kbert.backend import ops as fused
 from kbert.layers import Dense, Dropout, LayerNorm
 
 
+def _torch_on_gpu():
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# CPU paths of the torch backend; where a GPU is present Keras puts the
+# variables there and those paths do not run.
+cpu_only = pytest.mark.skipif(_torch_on_gpu(), reason="a CPU path; Keras uses the GPU here")
+
+
 def test_dense_equals_keras_dense_with_and_without_bias_and_lora():
     x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
     for use_bias in (True, False):
@@ -332,6 +345,7 @@ def _reverse_with(layer, table, pad, x):
         type(layer).REVERSE_PAD = original
 
 
+@cpu_only
 @pytest.mark.skipif(
     keras.backend.backend() != "torch", reason="the oneDNN path is torch's CPU inference"
 )
@@ -534,6 +548,7 @@ def _padded_batch(batch=6, length=9, hidden=16, seed=3):
     return x, mask
 
 
+@cpu_only
 def test_encoder_block_on_packed_tokens_equals_the_padded_block(monkeypatch):
     """Packing (eager torch and TensorFlow without XLA, on a CPU; batches
     with padding) changes nothing at the real tokens, forward or backward,
@@ -547,6 +562,8 @@ def test_encoder_block_on_packed_tokens_equals_the_padded_block(monkeypatch):
     name = keras.backend.backend()
     x_t, mask_t = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(mask)
     assert fused.token_packing_path(x_t, mask_t) == ("padded" if name == "jax" else "packed")
+    with fused.padded_blocks():  # graphs traced to be saved
+        assert fused.token_packing_path(x_t, mask_t) == "padded"
     if name == "torch":  # too little padding to pay for packing
         full = np.ones_like(mask)
         assert fused.token_packing_path(x_t, keras.ops.convert_to_tensor(full)) == "padded"
@@ -623,6 +640,7 @@ def test_encoder_block_on_packed_tokens_equals_the_padded_block(monkeypatch):
         )
 
 
+@cpu_only
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="packing is torch's CPU path")
 def test_token_packing_needs_enough_padding_and_a_cpu_tensor(monkeypatch):
     import torch

@@ -4,7 +4,20 @@ import keras
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch backend")
+
+def _gpu():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+pytestmark = [
+    pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch backend"),
+    pytest.mark.skipif(
+        keras.backend.backend() == "torch" and _gpu(),
+        reason="the CPU path; Keras uses the GPU here",
+    ),
+]
 
 
 def _train(monkeypatch, fused, steps=12):

@@ -219,7 +219,10 @@ def test_text_model_matches_predict_on_raw_strings(tmp_path):
         for output, value in reference.items():
             expected[f"{name}/{output}"] = np.asarray(value)
     got = run_without_kbert(jobs, str(tmp_path))
+    real = np.asarray(preprocessor(texts)["padding_mask"]) > 0
     for key, value in expected.items():
+        if key == "tagger/logits":  # per token: the padding positions carry no output
+            got[key], value = got[key][real], value[real]
         np.testing.assert_allclose(got[key], value, atol=1e-5, rtol=0, err_msg=key)
     if BACKEND != "tensorflow":
         return

@@ -126,6 +126,25 @@ def test_predict_on_batch_pads_to_bucket_and_slices_back():
     np.testing.assert_allclose(out[real], full[:, :longest][real], atol=1e-5)
 
 
+def test_cuts_keep_every_mask_position():
+    """A padded prediction slot may point at padding: batches and predict
+    groups keep the columns of every mask position."""
+    x = inputs(seed=2)
+    x["padding_mask"][:, 4:] = 0  # every row 4 tokens long
+    x["mask_positions"] = np.tile([1, 2], (N, 1)).astype("int32")
+    x["mask_positions"][5, 1] = 20  # a slot in the padding
+    data = batching.BucketedBatches(x, batch_size=4, multiple=1)
+    widths = []
+    for i in range(len(data)):
+        batch = data[i][0]
+        width = batch["padding_mask"].shape[-1]
+        assert batch["mask_positions"].max() < width
+        widths.append(width)
+    assert sorted(widths) == [4, 4, 21]  # the cut still happens elsewhere
+    groups = batching.length_groups(x, 1, 32)
+    assert all(x["mask_positions"][rows].max() < length for rows, length in groups)
+
+
 def test_length_groups_hold_every_row_once_at_its_bucket():
     rng = np.random.default_rng(5)
     lengths = np.concatenate([rng.integers(2, 9, 24), [64] * 8])  # short rows, a few long

@@ -82,6 +82,7 @@ a multiple of 64 rows (tensor-core alignment; the logits are sliced back).
 """
 
 import contextlib
+import threading
 
 import keras
 from keras import ops
@@ -200,27 +201,27 @@ def fused_layer_norm(x, gamma, beta, epsilon):
     return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
 
 
-# Nesting depth of `padded_blocks()`.
-_PADDED_ONLY = [0]
+# Nesting depth of `padded_blocks()`, per thread.
+_PADDED_ONLY = threading.local()
 
 
 @contextlib.contextmanager
 def padded_blocks():
-    """Within the block, encoder blocks run on the padded batch: for graphs
-    traced to be saved (SavedModel, ONNX), which must run anywhere, at any
-    shape, on any device."""
-    _PADDED_ONLY[0] += 1
+    """Within the block (in this thread), encoder blocks run on the padded
+    batch: for graphs traced to be saved (SavedModel, ONNX), which must run
+    anywhere, at any shape, on any device."""
+    _PADDED_ONLY.depth = getattr(_PADDED_ONLY, "depth", 0) + 1
     try:
         yield
     finally:
-        _PADDED_ONLY[0] -= 1
+        _PADDED_ONLY.depth -= 1
 
 
 def token_packing(inputs, padding_mask):
     """An object with `gather` ((B, T, C) -> (n, C), the real tokens),
     `scatter` (back) and `attention_groups` for this block input, or None
     where the block runs on the padded batch."""
-    if _PADDED_ONLY[0]:
+    if getattr(_PADDED_ONLY, "depth", 0):
         return None
     if backend.is_torch():
         return torch_ops.token_packing(inputs, padding_mask)

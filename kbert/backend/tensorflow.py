@@ -141,4 +141,4 @@ def token_packing(inputs, padding_mask):
 
     if len(inputs.shape) != 3 or inputs.shape[-1] is None:
         return None
-    return TokenPacking(tf.not_equal(tf.convert_to_tensor(padding_mask), 0))
+    return TokenPacking(tf.cast(tf.convert_to_tensor(padding_mask), tf.bool))

@@ -210,8 +210,8 @@ def token_packing(inputs, padding_mask):
     which a data-dependent token count would break."""
     if not isinstance(inputs, torch.Tensor) or inputs.device.type != "cpu" or inputs.ndim != 3:
         return None
-    if torch.compiler.is_compiling():
-        return None
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return None  # a trace would freeze this batch's token count and groups
     keep = ops.convert_to_tensor(padding_mask) != 0
     if tuple(keep.shape) != tuple(inputs.shape[:2]):
         return None

@@ -229,9 +229,9 @@ def cpu_fused_adam(variables, grads, m_list, v_list, lr, step, beta_1, beta_2, e
     (`torch._fused_adam_`, torch 2.4-2.13 checked): one pass over each
     variable and its slots where the foreach update makes ten, about 9x
     faster on a 2-core CPU (benchmarks/RESULTS.md). Returns False, having
-    changed nothing, where it does not apply: tensors not all float32 on
-    the CPU, tensor hyperparameters, under torch.compile, or a torch
-    without the kernel.
+    changed nothing, where it does not apply: tensors not all contiguous
+    float32 on the CPU, tensor hyperparameters, under torch.compile, or a
+    torch without the kernel.
 
     torch's kernel divides the bias corrections in as
     (sqrt(v) / sqrt(c2) + eps) and lr / c1; with eps / sqrt(c2) for eps
@@ -242,9 +242,16 @@ def cpu_fused_adam(variables, grads, m_list, v_list, lr, step, beta_1, beta_2, e
         return False
     if not all(isinstance(b, (int, float)) for b in (beta_1, beta_2, epsilon)):
         return False
+    if not 0 <= beta_2 < 1:
+        return False
+    # The kernel walks each variable, gradient and slot as flat memory:
+    # all must be contiguous (a variable made from a transposed array is not).
     tensors = (*variables, *grads, *m_list, *v_list)
     if not all(
-        isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
+        isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.is_contiguous()
         for t in tensors
     ):
         return False

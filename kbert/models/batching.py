@@ -325,10 +325,14 @@ def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
     """A model-input batch -> [(rows, length)]: groups of its rows (index
     arrays, sorted by length) that together hold each row once, each with
     its bucket length. One group, all rows at the bucket of the batch's
-    length (as `pad_to_bucket`), without `split` or where splitting saves
+    length, without `split` or where splitting saves
     less than `SPLIT_MIN_SAVING` of the work (rows x length)."""
     full = int(np.shape(x["padding_mask"])[-1])
     limit = limit or full + multiple
+    if not split or len(x["padding_mask"]) == 0:
+        return [
+            (np.arange(len(x["padding_mask"])), max(bucket_length(full, limit, multiple), full))
+        ]
     needed = needed_lengths(x)
     order = np.argsort(needed, kind="stable")
 
@@ -342,8 +346,6 @@ def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
         return sum(len(rows) * length for rows, length in groups)
 
     whole = [(np.arange(len(order)), max(bucket_length(full, limit, multiple), full))]
-    if not split:
-        return whole
     best = plan(1)
     for count in SPLIT_COUNTS:
         if len(order) // count >= SPLIT_MIN_ROWS and work(plan(count)) < work(best):
@@ -466,6 +468,8 @@ def map_dataset(data, limits, token_targets=False, bucket=True, multiple=MULTIPL
         columns = tf.reduce_any(tf.reshape(mask != 0, [-1, full]), axis=0)  # (T,)
         last = full - tf.argmax(tf.reverse(tf.cast(columns, tf.int32), [0]), output_type=tf.int32)
         extent = tf.where(tf.reduce_any(columns), last, 1)
+        if "mask_positions" in x:  # a padded prediction slot may point at padding
+            extent = tf.maximum(extent, tf.reduce_max(tf.cast(x["mask_positions"], tf.int32)) + 1)
         rounded = (extent + multiple - 1) // multiple * multiple
         length = tf.minimum(full, tf.maximum(multiple, rounded))
         static = mask.shape[-1]

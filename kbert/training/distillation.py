@@ -55,7 +55,7 @@ def cosine_loss(teacher_hidden, student_hidden, padding_mask):
     s = ops.cast(student_hidden, "float32")
     dot = ops.sum(t * s, axis=-1)
     # max(|t| |s|, 1e-8) with the floor under the square root: a zero
-    # vector (the backbone's output at padding may be one) then has a zero
+    # vector (e.g. a token position filled with zeros) then has a zero
     # gradient, where sqrt(0) would give 0 * inf = NaN.
     norms = ops.sqrt(ops.maximum(ops.sum(t * t, axis=-1) * ops.sum(s * s, axis=-1), 1e-16))
     cos = dot / norms  # (B, T)

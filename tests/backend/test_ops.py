@@ -5,21 +5,14 @@ import keras
 import numpy as np
 import pytest
 
+from kbert import backend as kbert_backend
 from kbert.backend import ops as fused
 from kbert.layers import Dense, Dropout, LayerNorm
 
-
-def _torch_on_gpu():
-    if keras.backend.backend() != "torch":
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
-# CPU paths of the torch backend; where a GPU is present Keras puts the
-# variables there and those paths do not run.
-cpu_only = pytest.mark.skipif(_torch_on_gpu(), reason="a CPU path; Keras uses the GPU here")
+# CPU paths; where a GPU is present Keras computes there and they do not run.
+cpu_only = pytest.mark.skipif(
+    kbert_backend.on_accelerator(), reason="a CPU path; Keras uses the GPU here"
+)
 
 
 def test_dense_equals_keras_dense_with_and_without_bias_and_lora():
@@ -575,6 +568,8 @@ def test_encoder_block_on_packed_tokens_equals_the_padded_block(monkeypatch):
         patch.setattr(encoder, "token_packing", lambda *args: None)
         padded = keras.ops.convert_to_numpy(block(x_t, mask_t))
     np.testing.assert_allclose(np.where(real, packed, 0), np.where(real, padded, 0), atol=1e-5)
+    as_bool = keras.ops.convert_to_numpy(block(x_t, keras.ops.cast(mask_t, "bool")))
+    np.testing.assert_array_equal(as_bool, packed)  # a boolean mask, the same path
     if name == "tensorflow":
         import tensorflow as tf
 
@@ -655,10 +650,14 @@ def test_token_packing_needs_enough_padding_and_a_cpu_tensor(monkeypatch):
     monkeypatch.setattr(torch_ops, "GROUP_COST", 0)
     groups = packing.attention_groups()
     assert sorted(torch.cat([g.rows for g in groups]).tolist()) == list(range(int(mask.sum())))
+    tokens = torch.arange(int(mask.sum()), dtype=torch.float32)[:, None]  # packed order
     for g in groups:
         assert g.padding_mask.sum() == len(g.rows)
-        counts = g.padding_mask.cumsum(1)
-        assert (counts == counts.max(1, keepdim=True)[0]).any(1).all()
+        layout = g.scatter(tokens)[..., 0]  # (b, T_g): each row's tokens first, in order
+        for row, keep in zip(layout, g.padding_mask):
+            assert not row[~keep].any()
+            real = row[keep]
+            assert bool(keep[: len(real)].all()) and bool((real[1:] > real[:-1]).all())
     rows = packing.gather(torch.tensor(x))
     assert rows.shape == (int(mask.sum()), 16)
     np.testing.assert_array_equal(packing.scatter(rows).numpy(), x * mask.numpy()[..., None])
@@ -667,6 +666,14 @@ def test_token_packing_needs_enough_padding_and_a_cpu_tensor(monkeypatch):
     few[0, -1] = 0  # 1 padding token in 54: packing would save too little
     assert torch_ops.token_packing(torch.tensor(x), few) is None
     assert torch_ops.token_packing(torch.tensor(x, device="meta"), mask) is None
+    seen = []
+
+    def traced(t):  # a trace would freeze one batch's token count
+        seen.append(torch_ops.token_packing(t, mask))
+        return t * 2
+
+    torch.jit.trace(traced, torch.tensor(x), check_trace=False)
+    assert seen == [None]
     # All padding: n = 0 rows, still defined.
     empty = torch_ops.token_packing(torch.tensor(x), torch.zeros_like(mask))
     assert empty.gather(torch.tensor(x)).shape == (0, 16)

@@ -65,6 +65,9 @@ def test_cpu_fused_adam_declines_what_it_cannot_take():
     half = [[t.to(torch.bfloat16)] for t in (x, g, m, v)]
     assert not torch_step.cpu_fused_adam(*half, lr, step, 0.9, 0.999, 1e-7)
     beta_1 = torch.tensor(0.9)  # a tensor hyperparameter
+    square = [torch.ones(2, 3).t()]  # a variable made from a transposed array
+    zeros = [torch.zeros(3, 2)]
+    assert not torch_step.cpu_fused_adam(square, zeros, zeros, zeros, lr, step, 0.9, 0.999, 1e-7)
     assert not torch_step.cpu_fused_adam([x], [g], [m], [v], lr, step, beta_1, 0.999, 1e-7)
     assert x.tolist() == [1.0, 1.0, 1.0] and m.tolist() == [0.0, 0.0, 0.0]
     assert torch_step.cpu_fused_adam([x], [g], [m], [v], lr, step, 0.9, 0.999, 1e-7)

@@ -143,6 +143,13 @@ def test_cuts_keep_every_mask_position():
     assert sorted(widths) == [4, 4, 21]  # the cut still happens elsewhere
     groups = batching.length_groups(x, 1, 32)
     assert all(x["mask_positions"][rows].max() < length for rows, length in groups)
+    empty = {k: v[:0] for k, v in x.items()}  # no rows: one (empty) group
+    assert [len(r) for r, _ in batching.length_groups(empty, 16, 32)] == [0]
+    tf = pytest.importorskip("tensorflow")
+    limits = dict(vocabulary_size=97, type_vocab_size=2, max_sequence_length=32)
+    data = tf.data.Dataset.from_tensor_slices(x).batch(4)
+    cut = list(batching.map_dataset(data, limits, multiple=1).as_numpy_iterator())
+    assert [b["padding_mask"].shape[-1] for b in cut] == [4, 21, 4]  # tf.data cuts too
 
 
 def test_length_groups_hold_every_row_once_at_its_bucket():

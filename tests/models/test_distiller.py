@@ -59,7 +59,7 @@ def test_cosine_and_hidden_losses_hand_computed():
 
 
 def test_cosine_loss_gradient_is_finite_at_zero_vectors():
-    """A backbone's output at padding may be all zeros (torch on a CPU): the
+    """Hidden states may be zero vectors (positions filled with zeros): the
     masked-out tokens must not turn the gradient into NaN."""
     teacher = np.array([[[1.0, 2.0], [0.0, 0.0]]], "float32")
     student = np.array([[[2.0, 1.0], [0.0, 0.0]]], "float32")

@@ -6,6 +6,7 @@ in `benchmarks/RESULTS.md`.
 """
 
 import contextlib
+import weakref
 
 import keras
 import torch
@@ -202,6 +203,12 @@ class TokenPacking:
         return values.new_empty(len(self.index), values.shape[-1]).index_copy(0, rows, values)
 
 
+# The last decision of `token_packing`: every block of a forward pass gets
+# the same mask tensor, and packs it the same way. (weak reference to the
+# mask, its version, the settings, the packing or None)
+_LAST = [None]
+
+
 def token_packing(inputs, padding_mask):
     """A `TokenPacking` for eager CPU tensors with enough padding, else None.
 
@@ -212,12 +219,18 @@ def token_packing(inputs, padding_mask):
         return None
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None  # a trace would freeze this batch's token count and groups
-    keep = ops.convert_to_tensor(padding_mask) != 0
-    if tuple(keep.shape) != tuple(inputs.shape[:2]):
+    mask = ops.convert_to_tensor(padding_mask)
+    if tuple(mask.shape) != tuple(inputs.shape[:2]):
         return None
-    if int(keep.sum()) > (1.0 - PACK_MIN_PADDING) * keep.numel():
-        return None
-    return TokenPacking(keep)
+    settings = (PACK_MIN_PADDING, GROUP_COST)
+    last = _LAST[0]
+    if last is not None and last[0]() is mask and last[1:3] == (mask._version, settings):
+        return last[3]
+    keep = mask != 0
+    little_padding = int(keep.sum()) > (1.0 - PACK_MIN_PADDING) * keep.numel()
+    packing = None if little_padding else TokenPacking(keep)
+    _LAST[0] = (weakref.ref(mask), mask._version, settings, packing)
+    return packing
 
 
 def sublayer_call(layer, *args, **kwargs):

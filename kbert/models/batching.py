@@ -284,28 +284,10 @@ def pad_token_axis(value, full, fill=0.0):
     return np.pad(value, pad, constant_values=fill)
 
 
-def pad_to_bucket(x, multiple=MULTIPLE, limit=None):
-    """A model-input batch of any length -> (the batch padded with padding
-    columns to its bucket length, its original length)."""
-    length = int(x["padding_mask"].shape[-1])
-    target = bucket_length(length, limit or length + multiple, multiple)
-    target = max(target, length)
-    if target == length:
-        return x, length
-
-    def pad(name, value):
-        if name not in TOKEN_INPUTS:
-            return value
-        widths = [(0, 0)] * value.ndim
-        widths[-1] = (0, target - length)
-        return np.pad(np.asarray(value), widths)
-
-    return {name: pad(name, value) for name, value in x.items()}, length
-
-
-# `predict_on_batch` on JAX or TensorFlow on a CPU splits a batch into 2 or
-# 4 groups of rows of similar length, each cut to its own bucket, where that
-# saves at least a tenth of the work; each group has at least 8 rows.
+# `predict_on_batch` on JAX or TensorFlow on a CPU cuts a batch to its rows'
+# bucket, or splits it into 2 or 4 groups of rows of similar length, each
+# cut to its own bucket, where that saves at least a tenth of the work;
+# each group has at least 8 rows.
 SPLIT_COUNTS = (2, 4)
 SPLIT_MIN_ROWS = 8
 SPLIT_MIN_SAVING = 0.1
@@ -324,35 +306,30 @@ def splits_batches(model=None):
 def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
     """A model-input batch -> [(rows, length)]: groups of its rows (index
     arrays, sorted by length) that together hold each row once, each with
-    its bucket length. One group, all rows at the bucket of the batch's
-    length, without `split` or where splitting saves
-    less than `SPLIT_MIN_SAVING` of the work (rows x length)."""
+    its bucket length: the fewest groups with the least work (rows x
+    length). One group, all rows at the bucket of the batch's length,
+    without `split` or where that saves less than `SPLIT_MIN_SAVING`."""
     full = int(np.shape(x["padding_mask"])[-1])
     limit = limit or full + multiple
-    if not split or len(x["padding_mask"]) == 0:
-        return [
-            (np.arange(len(x["padding_mask"])), max(bucket_length(full, limit, multiple), full))
-        ]
+    rows = len(x["padding_mask"])
+    whole = [(np.arange(rows), max(bucket_length(full, limit, multiple), full))]
+    if not split or rows == 0:
+        return whole
     needed = needed_lengths(x)
     order = np.argsort(needed, kind="stable")
 
     def plan(count):
         return [
-            (rows, max(bucket_length(needed[rows].max(), limit, multiple), 1))
-            for rows in np.array_split(order, count)
+            (group, max(bucket_length(needed[group].max(), limit, multiple), 1))
+            for group in np.array_split(order, count)
         ]
 
     def work(groups):
-        return sum(len(rows) * length for rows, length in groups)
+        return sum(len(group) * length for group, length in groups)
 
-    whole = [(np.arange(len(order)), max(bucket_length(full, limit, multiple), full))]
-    best = plan(1)
-    for count in SPLIT_COUNTS:
-        if len(order) // count >= SPLIT_MIN_ROWS and work(plan(count)) < work(best):
-            best = plan(count)
-    if len(best) == 1 or work(best) > (1 - SPLIT_MIN_SAVING) * work(whole):
-        return whole
-    return best
+    counts = [1] + [count for count in SPLIT_COUNTS if rows // count >= SPLIT_MIN_ROWS]
+    best = min((plan(count) for count in counts), key=work)  # ties: fewer groups
+    return best if work(best) <= (1 - SPLIT_MIN_SAVING) * work(whole) else whole
 
 
 def take_rows(x, rows, length):

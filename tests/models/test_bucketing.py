@@ -166,7 +166,7 @@ def test_length_groups_hold_every_row_once_at_its_bucket():
         assert length >= lengths[r].max() and length - lengths[r].max() < 16
     # far less work than one batch at 64 columns
     assert sum(len(r) * n for r, n in groups) < 0.5 * 32 * 64
-    # rows of one length, or too few rows: one group, as `pad_to_bucket` pads
+    # rows of one length, or too few rows: one group at the batch's bucket
     same = {k: v[24:] for k, v in x.items()}
     assert [n for _, n in batching.length_groups(same, 16, 128)] == [64]
     few = {k: v[20:30] for k, v in x.items()}

@@ -47,6 +47,9 @@ Systems:
     kbert-tensorflow(-fixed)         the TensorFlow backend, where installed
     kbert-jax-fixed, kbert-torch-fixed   the same with `bucket_lengths=False`:
                                      every batch padded to 128
+    kbert-jax-pack, kbert-jax-nopack sst2 with `pack_rows=True` / `False`
+                                     (several sentences per row; by default
+                                     JAX packs on a CPU only)
     hf-eager                         transformers, fast tokenizer, each batch
                                      padded to its longest (its Trainer's
                                      dynamic padding), bf16 autocast
@@ -74,6 +77,8 @@ SYSTEMS = (
     "kbert-torch-b32",
     "kbert-jax-fixed",
     "kbert-torch-fixed",
+    "kbert-jax-pack",
+    "kbert-jax-nopack",
     "kbert-tensorflow",
     "kbert-tensorflow-fixed",
     "hf-eager",
@@ -151,7 +156,7 @@ def fit_result(examples, start, built, trained):
     }
 
 
-def run_kbert(task, bucket_lengths, args):
+def run_kbert(task, bucket_lengths, args, pack_rows=None):
     import keras
     import numpy as np
 
@@ -187,6 +192,7 @@ def run_kbert(task, bucket_lengths, args):
         epochs=args.epochs,
         verbose=0,
         bucket_lengths=bucket_lengths,
+        **({"pack_rows": pack_rows} if task == "sst2" else {}),
     )
     trained = time.perf_counter()
     result = fit_result(len(labels) * args.epochs, start, built, trained)
@@ -436,7 +442,8 @@ def child(args):
         bucket_lengths = (
             False if suffix == "fixed" else int(suffix[1:]) if suffix.startswith("b") else True
         )
-        return run_kbert(task, bucket_lengths, args)
+        pack_rows = {"pack": True, "nopack": False}.get(suffix)
+        return run_kbert(task, bucket_lengths, args, pack_rows)
     return run_hf(task, system == "hf-compile", args)
 
 

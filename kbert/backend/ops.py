@@ -25,7 +25,8 @@ computes what the generic path computes (tests compare them); each
   or successive masks. Kept values are scaled in float32 and rounded once.
 - everything else: `keras.random.dropout`.
 
-`fused_attention` computes softmax(QK^T * scale) V over the non-padding keys.
+`fused_attention` computes softmax(QK^T * scale) V over the non-padding keys
+(or, given an attention mask (B, T, S), over the keys each query may see).
 - JAX on GPU, 16-bit inputs: cuDNN flash attention through
   `jax.nn.dot_product_attention` with `key_value_seq_lengths` (the form
   cuDNN accepts for padding); other masks are made that form by moving the
@@ -43,13 +44,17 @@ as torch computes it (`jax.nn.gelu`'s erfc form expands to two rational
 approximations per element); elsewhere `keras.activations.gelu`.
 
 `fused_layer_norm(x, gamma, beta, epsilon)` normalises the last axis in
-float32 and returns x's dtype. On JAX a custom gradient: the forward pass
+float32 and returns x's dtype. On JAX with a GPU or TPU a custom gradient: the forward pass
 takes the mean and the mean of squares in one pass (variance clamped at 0);
 the backward pass uses the closed form
 dx = rstd (g' - mean(g') - x_hat mean(g' x_hat)), g' = g gamma. The one-pass
 variance loses relative precision of about 1e-7 * mean^2 / variance per
 row, negligible for LayerNorm inputs (the float32 parity tests against
-transformers run through it). Elsewhere `keras.ops.layer_normalization`.
+transformers run through it). Elsewhere, JAX on a CPU included,
+`keras.ops.layer_normalization`: XLA's CPU fusion recomputed the closed
+form's chain of elementwise gradients through every later block inside
+each block's (d_gamma, d_beta) reduction, a quarter of a MiniLM training
+step on 2 cores.
 
 `fused_embedding_sum(tokens, positions, segments, segment_ids)` is
 tokens + segments[segment_ids] + positions[None]. On JAX both tables are
@@ -163,18 +168,27 @@ def attention_dropout_is_fused():
     return backend.is_torch()
 
 
+def attention_keep(padding_mask):
+    """A padding mask (B, S), or an attention mask (B, T, S) (which keys
+    each query sees: rows holding several examples), -> the boolean mask
+    (B, 1, 1, S) or (B, 1, T, S) attention takes. A query that would see
+    no key (a row or query of padding) sees every key instead: a softmax
+    over nothing is NaN, and its outputs are padding, unused."""
+    keep = ops.cast(padding_mask, "bool")
+    empty = ops.logical_not(ops.any(keep, axis=-1, keepdims=True))
+    keep = ops.logical_or(keep, empty)
+    return keep[:, None, None, :] if len(keep.shape) == 2 else keep[:, None, :, :]
+
+
 def fused_attention(query, key, value, padding_mask, scale, dropout=0.0):
-    """query/key/value (B, T, N, D); padding_mask (B, S) -> (B, T, N, D).
-    `dropout` (torch only): inverted dropout on the attention probabilities."""
+    """query/key/value (B, T, N, D); padding_mask (B, S), or an attention
+    mask (B, T, S) -> (B, T, N, D). `dropout` (torch only): inverted dropout
+    on the attention probabilities."""
     if dropout and not attention_dropout_is_fused():
         raise ValueError("fused_attention applies attention dropout on torch only")
-    keep = ops.cast(padding_mask, "bool")
-    if _cudnn(query.dtype):
-        return jax_ops.cudnn_attention(query, key, value, keep, scale)
-    # A row with no real token would softmax over nothing (NaN); let it
-    # attend everywhere instead. Its outputs are padding and unused.
-    empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
-    keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
+    if len(padding_mask.shape) == 2 and _cudnn(query.dtype):
+        return jax_ops.cudnn_attention(query, key, value, ops.cast(padding_mask, "bool"), scale)
+    keep = attention_keep(padding_mask)
     if backend.is_torch():
         return torch_ops.sdpa(query, key, value, keep, scale, dropout)
     return ops.dot_product_attention(query, key, value, mask=keep, scale=scale)
@@ -196,7 +210,7 @@ def fused_gelu(x, approximate=False):
 
 def fused_layer_norm(x, gamma, beta, epsilon):
     """LayerNorm of x over its last axis with (H,) gamma and beta."""
-    if backend.is_jax():
+    if backend.is_jax() and backend.jax_on_accelerator():
         return jax_ops.layer_norm(x, gamma, beta, epsilon)
     return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
 
@@ -221,8 +235,8 @@ def token_packing(inputs, padding_mask):
     """An object with `gather` ((B, T, C) -> (n, C), the real tokens),
     `scatter` (back) and `attention_groups` for this block input, or None
     where the block runs on the padded batch."""
-    if getattr(_PADDED_ONLY, "depth", 0):
-        return None
+    if getattr(_PADDED_ONLY, "depth", 0) or len(padding_mask.shape) == 3:
+        return None  # (B, T, S): rows holding several examples, already dense
     if backend.is_torch():
         return torch_ops.token_packing(inputs, padding_mask)
     if backend.is_tensorflow():

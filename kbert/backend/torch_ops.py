@@ -82,7 +82,7 @@ def _gpu_attention_kernels():
 
 def sdpa(query, key, value, keep, scale, dropout=0.0):
     """scaled_dot_product_attention on (B, N, T, D) views of (B, T, N, D)
-    inputs with a boolean (B, 1, 1, S) mask."""
+    inputs with a boolean (B, 1, 1, S) or (B, 1, T, S) mask."""
     q, k, v = (ops.convert_to_tensor(t).transpose(1, 2) for t in (query, key, value))
     kernels = contextlib.nullcontext()
     if q.is_cuda and not torch.compiler.is_compiling():

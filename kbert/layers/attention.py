@@ -19,7 +19,12 @@ import math
 import keras
 from keras import ops
 
-from kbert.backend.ops import attention_dropout_is_fused, fused_attention, sublayer_call
+from kbert.backend.ops import (
+    attention_dropout_is_fused,
+    attention_keep,
+    fused_attention,
+    sublayer_call,
+)
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 
@@ -27,6 +32,9 @@ from kbert.layers.dropout import Dropout
 @keras.saving.register_keras_serializable(package="kbert")
 class MultiHeadSelfAttention(keras.layers.Layer):
     """Bidirectional self-attention over the non-padding tokens.
+
+    `padding_mask` is (B, S), or an attention mask (B, T, S) saying which
+    keys each query sees (rows that hold several examples).
 
     Args:
         num_heads: int. number of heads N.
@@ -111,11 +119,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
                 query, key, value, padding_mask, scale, dropout
             )  # (B, T, N, D)
         else:
-            keep = ops.cast(padding_mask, "bool")
-            # A row with no real token would softmax over nothing (NaN); let
-            # it attend everywhere instead. Its outputs are padding and unused.
-            empty = ops.logical_not(ops.any(keep, axis=1, keepdims=True))
-            keep = ops.logical_or(keep, empty)[:, None, None, :]  # (B, 1, 1, S)
+            keep = attention_keep(padding_mask)  # (B, 1, 1, S) or (B, 1, T, S)
             context = self._explicit_attention(query, key, value, keep, scale, training)
         return ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
 

@@ -156,7 +156,9 @@ class BertEmbeddings(keras.layers.Layer):
             self.projection.build(tuple(token_ids_shape) + (self.table_dim,))
         self.built = True
 
-    def call(self, token_ids, segment_ids, training=None):
+    def call(self, token_ids, segment_ids, training=None, position_ids=None):
+        if position_ids is not None:
+            return self._embed_at(token_ids, segment_ids, position_ids, training)
         length = ops.shape(token_ids)[1]
         checks.check_sequence_length(length, self.max_sequence_length)
         # eager inference on concrete values (not while a CUDA graph is
@@ -180,6 +182,18 @@ class BertEmbeddings(keras.layers.Layer):
         x = fused_embedding_sum(
             self.token_embedding(token_ids), positions, segments, segment_ids
         )  # (B, T, E)
+        x = self.dropout_layer(self.layer_norm(x), training=training)
+        if self.projection is not None:
+            x = self.projection(x)  # (B, T, H)
+        return x
+
+    def _embed_at(self, token_ids, segment_ids, position_ids, training):
+        """`call` with each token's position given (B, T): rows that hold
+        several examples, each counting from 0."""
+        table = ops.cast(self.position_embeddings, self.compute_dtype)
+        positions = ops.take(table, ops.cast(position_ids, "int32"), axis=0)  # (B, T, E)
+        segments = self.segment_embedding(segment_ids)  # (B, T, E)
+        x = self.token_embedding(token_ids) + ops.cast(segments, self.compute_dtype) + positions
         x = self.dropout_layer(self.layer_norm(x), training=training)
         if self.projection is not None:
             x = self.projection(x)  # (B, T, H)

@@ -201,6 +201,33 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             return [self.get_layer(SHARED_LAYER_NAME)] * self.num_layers
         return [self.get_layer(f"transformer_layer_{i}") for i in range(self.num_layers)]
 
+    def packed_outputs(self, inputs, training=None):
+        """The backbone on rows that hold several examples each
+        (`kbert.models.batching.PackedBatches`): `inputs` has `token_ids`,
+        `segment_ids`, `padding_mask`, `example_ids` (R, T) (which example
+        of the batch a token belongs to, from 1; 0 for padding),
+        `position_ids` (R, T) (each example counts from 0) and `cls_index`
+        (E,) (each example's first token in the flattened R x T rows).
+        Attention stays inside each example, so each example's outputs are
+        those it gets alone in a padded batch (to float rounding).
+        Returns `sequence_output` (R, T, H) and `pooled_output` (E, H)."""
+        examples = inputs["example_ids"]
+        sees = ops.logical_and(
+            ops.equal(examples[:, :, None], examples[:, None, :]),
+            ops.not_equal(inputs["padding_mask"], 0)[:, None, :],
+        )  # (R, T, S): keys of the query's own example
+        x = self.get_layer("embeddings")(
+            inputs["token_ids"],
+            inputs["segment_ids"],
+            training=training,
+            position_ids=inputs["position_ids"],
+        )
+        for block in self.transformer_layers:
+            x = block(x, sees, training=training)
+        first = ops.take(ops.reshape(x, (-1, ops.shape(x)[-1])), inputs["cls_index"], axis=0)
+        pooled = self.get_layer("pooler")(first[:, None, :])  # (E, H)
+        return {"sequence_output": x, "pooled_output": pooled}
+
     def check_inputs(self, inputs):
         """Raises a clear ValueError for ids, masks or lengths the model
         cannot take (host values only; see `kbert.utils.checks`)."""

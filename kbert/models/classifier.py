@@ -7,6 +7,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert.models import batching
 from kbert.models.task import Task
 from kbert.utils import checks
 
@@ -34,6 +35,8 @@ class BertClassifier(Task):
     >>> model.compile()
     """
 
+    packs_rows = True  # `fit` may pack several examples per row (see `Task.fit`)
+
     def __init__(
         self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs
     ):
@@ -46,6 +49,15 @@ class BertClassifier(Task):
         self.num_classes = num_classes
         self.dropout = dropout
         self.set_backbone_training(freeze_backbone)
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        if isinstance(inputs, dict) and batching.PACKED_KEY in inputs:
+            # rows holding several examples (`fit` with `pack_rows`): one
+            # [CLS] per example, then the head as in the functional graph
+            pooled = self.backbone.packed_outputs(inputs, training)["pooled_output"]
+            x = self.get_layer("classifier_dropout")(pooled, training=training)
+            return self.get_layer("float32_logits")(self.get_layer("logits")(x))
+        return super().call(inputs, training=training, mask=mask, **kwargs)
 
     def task_config(self):
         return {

@@ -162,7 +162,22 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             checks.check_model_inputs(x, **self.input_limits())
         return x
 
-    def _bucketed(self, x, y, sample_weight, batch_size, shuffle, multiple, group_by_length=False):
+    def _bucketed(
+        self, x, y, sample_weight, batch_size, shuffle, multiple, group_by_length=False, pack=False
+    ):
+        if pack is not False and batching.can_pack(self, x, y, sample_weight):
+            batches = batching.PackedBatches(
+                x, y, sample_weight, batch_size or 32, bool(shuffle), group_by_length, multiple
+            )
+            if not (pack or batching.packing_pays(batches)):
+                batches.unpack()  # the same batches (and random draws), each cut to its bucket
+            return batches.as_dataset()
+        if pack:
+            raise ValueError(
+                f"pack_rows=True needs a task with one output per example "
+                f"({type(self).__name__} has not) and inputs as arrays "
+                f"of token_ids, segment_ids and padding_mask (N, T)"
+            )
         return batching.BucketedBatches(
             x,
             y,
@@ -174,7 +189,16 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             multiple=multiple,
         ).as_dataset()
 
-    def fit(self, x=None, y=None, *args, bucket_lengths=True, group_by_length=False, **kwargs):
+    def fit(
+        self,
+        x=None,
+        y=None,
+        *args,
+        bucket_lengths=True,
+        group_by_length=False,
+        pack_rows=None,
+        **kwargs,
+    ):
         """Keras `fit`, on model inputs, raw text or `tf.data`.
 
         Inputs are checked before any backend gathers (ids, segment ids,
@@ -190,6 +214,13 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         `class_weight` or `steps_per_epoch` (Keras' own batching then).
         `group_by_length`: batch examples of similar length together (the
         batch order stays random), for less padding still.
+        `pack_rows` (`BertClassifier`, inputs as host arrays): several
+        examples per row, attention kept inside each example
+        (`kbert.models.batching.PackedBatches`); the same batches, losses
+        and gradients as length buckets, to float rounding (dropout draws
+        differ). None (the default) packs on JAX on a CPU where that
+        leaves at most 80% of the positions of length buckets; True
+        always, False never.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
@@ -210,8 +241,15 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
                 a["shuffle"],
                 bucket_lengths,
                 group_by_length,
+                pack=pack_rows,
             )
             a.update(y=None, sample_weight=None, batch_size=None, shuffle=False)
+        elif pack_rows:
+            raise ValueError(
+                "pack_rows=True needs length buckets (bucket_lengths not False) and "
+                "inputs as host arrays, without validation_split, class_weight or "
+                "steps_per_epoch"
+            )
         validation = a["validation_data"]
         if isinstance(validation, tuple) and len(validation) >= 2:
             vx, vy = raw_text.convert(self, validation[0], validation[1])
@@ -248,9 +286,23 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         # On torch: batches made on the host, copied without blocking by
         # kbert's step, which a GPU replays as a CUDA graph where it can.
         context = torch_step.fit_context(self) if backend.is_torch() else contextlib.nullcontext()
+        self._build_optimizer()
         with stack, context, _input_errors(), checks.inputs_checked_on_host():
             with keras_internals.jax_variables_kept_on_error(self):
                 return super().fit(**a)
+
+    def _build_optimizer(self):
+        """On TensorFlow, creates the optimizer's variables before `fit`
+        traces its step, in the model's distribution strategy scope. Keras
+        there (without a strategy) leaves them to the first trace of the
+        step, and a `tf.function` whose first trace creates variables is
+        traced a second time (seconds of a short `fit` on a CPU). The
+        variables are the ones the trace would have made (JAX and torch
+        build them before the step already)."""
+        optimizer = getattr(self, "optimizer", None)
+        if backend.is_tensorflow() and optimizer is not None and not optimizer.built and self.built:
+            with self.distribute_strategy.scope():
+                optimizer.build(self.trainable_variables)
 
     def evaluate(self, x=None, y=None, *args, bucket_lengths=True, **kwargs):
         """Keras `evaluate`, with `fit`'s input checks and length buckets

@@ -309,3 +309,27 @@ def test_raw_text_predict_runs_in_length_buckets_with_the_same_results():
         assert known <= {16, 32} and (None in lengths or known == {16, 32})
     else:  # eager torch on a CPU: each batch cut to its longest, 22 tokens exactly
         assert 22 in known and not known & {16, 32}
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's step tracing")
+def test_tensorflow_fit_traces_its_step_once(backbone, preprocessor):
+    """The optimizer's variables exist before the step is traced: a
+    `tf.function` whose first trace creates variables is traced again."""
+    model = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor)
+    model.compile(learning_rate=1e-3)
+    traces = []
+    original = model.train_step
+
+    def train_step(data):
+        traces.append(keras.tree.flatten(data)[0].shape)
+        return original(data)
+
+    model.train_step = train_step
+    texts = TEXTS + [" ".join(["good"] * 20)] * 4  # two length buckets
+    labels = np.concatenate([LABELS, [1, 1, 1, 1]])
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    model.fit(texts, labels, batch_size=4, epochs=2, verbose=0)
+    assert len(traces) == 1, traces
+    assert model.optimizer.iterations.numpy() == 10
+    after = [v.numpy() for v in model.trainable_variables]
+    assert all(not np.array_equal(a, b) for a, b in zip(after, before))

@@ -183,6 +183,13 @@ def adam_slots(optimizer, variables):
     return m, v, hats
 
 
+def adam_slot_variables(optimizer, variable):
+    """(momentum, velocity) Keras variables of one variable
+    (`Adam._momentums`, `_velocities`, `_get_variable_index`, 3.10-3.15)."""
+    index = optimizer._get_variable_index(variable)
+    return optimizer._momentums[index], optimizer._velocities[index]
+
+
 def torch_value(variable):
     """A torch Keras variable's parameter tensor (`Variable._value`,
     3.10-3.15). `variable.value` adds an autocast and symbolic-scope check per

@@ -689,4 +689,10 @@ def as_dataset(batches, on_epoch_end=None):
     # counts one optimizer iteration more per epoch than it applies (the
     # learning-rate schedule and checkpoints follow that counter).
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(batches)))
-    return dataset.prefetch(2)
+    # Without tf.data's autotuning: its model thread, started with the
+    # first iterator, is only joined when its sleep ends, and the iterator's
+    # destructor waited for it, up to 8 s at the end of a `fit` on a CPU.
+    # A generator of ready batches has nothing for it to tune.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.prefetch(2).with_options(options)

@@ -109,6 +109,15 @@ class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
         """The multi-tensor update Keras' torch optimizer calls."""
         torch_step.adam_update(self, grads, variables, learning_rate)
 
+    def update_step(self, gradient, variable, learning_rate):
+        """Keras' per-variable update; on TensorFlow through the fused
+        kernel (`kbert.backend.tensorflow.fused_adam_update`)."""
+        if backend.is_tensorflow() and tf_backend.fused_adam_update(
+            self, gradient, variable, learning_rate
+        ):
+            return
+        super().update_step(gradient, variable, learning_rate)
+
 
 @keras.saving.register_keras_serializable(package="kbert")
 class Lamb(ReplicaExactClipping, keras.optimizers.Lamb):

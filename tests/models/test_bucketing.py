@@ -420,3 +420,16 @@ def test_jax_compiles_ahead_only_for_a_jitted_step_and_callbacks_in_a_list(monke
     assert len(train[0]) == len(model.trainable_variables)
     model.compile(optimizer=keras.optimizers.SGD(0.05), jit_compile=False)
     assert not jax_compile.applies(model, None)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="tf.data datasets")
+def test_tensorflow_batches_run_without_autotuning():
+    """tf.data's autotuning thread held the end of a `fit`: the iterator's
+    destructor waited for its sleep to end. The batches themselves are the
+    PyDataset's."""
+    batches = batching.BucketedBatches(inputs(), np.arange(N), batch_size=5)
+    dataset = batches.as_dataset()
+    assert dataset.options().autotune.enabled is False
+    for (x, y), (want_x, want_y) in zip(dataset, [batches[i] for i in range(len(batches))]):
+        np.testing.assert_array_equal(y.numpy(), want_y)
+        np.testing.assert_array_equal(x["token_ids"].numpy(), want_x["token_ids"])

@@ -71,6 +71,47 @@ def test_adamw_matches_a_numpy_reference():
         np.testing.assert_allclose(keras.ops.convert_to_numpy(var), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's fused kernel")
+def test_tensorflow_adamw_runs_the_fused_kernel_with_keras_arithmetic(monkeypatch):
+    """kbert's AdamW on TensorFlow updates through `ResourceApplyAdam`, in
+    a compiled `fit` too, with an embedding's sparse gradient, decay and
+    clipping: the weights of Keras' own AdamW."""
+    from kbert.backend import tensorflow as tf_backend
+
+    applied = []
+    fused = tf_backend.fused_adam_update
+
+    def spy(*args):
+        applied.append(fused(*args))
+        return applied[-1]
+
+    monkeypatch.setattr(tf_backend, "fused_adam_update", spy)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 50, (64, 5)), rng.normal(size=(64, 4)).astype("float32")
+    weights = []
+    for optimizer in (
+        create_optimizer(1e-2, 24, 4, weight_decay=0.01, clipnorm=1.0),
+        keras.optimizers.AdamW(
+            kbert.training.WarmupLinearDecay(1e-2, 24, 4),
+            weight_decay=0.01,
+            epsilon=1e-6,
+            global_clipnorm=1.0,
+        ),
+    ):
+        if not isinstance(optimizer, kbert.training.optimizer.AdamW):
+            optimizer.exclude_from_weight_decay(var_names=list(kbert.training.optimizer.NO_DECAY))
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,), dtype="int32")
+        hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(4)(hidden))
+        model.compile(optimizer, "mse")
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+        weights.append(_weights(model))
+    assert applied and all(applied)  # embedding, kernel, bias: traced once
+    for ours, theirs in zip(*weights):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 def _batches(nan_at=None):
     items = []
     for i in range(8):

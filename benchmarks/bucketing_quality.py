@@ -7,8 +7,10 @@ accuracy, several seeds.
 
 Each seed fine-tunes the checkpoint (fresh head, seeded) once per mode, from
 the same raw training sentences, with `fit(texts, labels)`:
-    bucketed  the default: each batch cut to its longest sequence rounded up
-              to a bucket length (`bucket_lengths=True`)
+    bucketed  each batch cut to its longest sequence rounded up to a bucket
+              length (`bucket_lengths=True`, `pack_rows=False`)
+    packed    the same batches, several sentences per row (`pack_rows=True`;
+              the default on JAX with a CPU)
     fixed     every batch padded to the sequence length (`bucket_lengths=False`)
     grouped   buckets, and batches of similar length (`group_by_length=True`)
 then scores `predict` on the 872 dev sentences. Recipe: sequence length 128,
@@ -36,9 +38,10 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
 
 MODES = {
-    "bucketed": dict(bucket_lengths=True),
+    "bucketed": dict(bucket_lengths=True, pack_rows=False),
+    "packed": dict(bucket_lengths=True, pack_rows=True),
     "fixed": dict(bucket_lengths=False),
-    "grouped": dict(bucket_lengths=True, group_by_length=True),
+    "grouped": dict(bucket_lengths=True, group_by_length=True, pack_rows=False),
 }
 
 

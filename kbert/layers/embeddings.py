@@ -190,10 +190,21 @@ class BertEmbeddings(keras.layers.Layer):
     def _embed_at(self, token_ids, segment_ids, position_ids, training):
         """`call` with each token's position given (B, T): rows that hold
         several examples, each counting from 0."""
-        table = ops.cast(self.position_embeddings, self.compute_dtype)
-        positions = ops.take(table, ops.cast(position_ids, "int32"), axis=0)  # (B, T, E)
-        segments = self.segment_embedding(segment_ids)  # (B, T, E)
-        x = self.token_embedding(token_ids) + ops.cast(segments, self.compute_dtype) + positions
+        # Gathered from the variables, then cast: their gradients (a sum
+        # over every token into a few rows) accumulate in the variables'
+        # dtype, as the padded path's do.
+        positions = ops.take(self.position_embeddings, ops.cast(position_ids, "int32"), axis=0)
+        if self.segment_embedding.quantization_mode is None:
+            segments = ops.take(
+                self.segment_embedding.embeddings, ops.cast(segment_ids, "int32"), axis=0
+            )
+        else:  # the stored table is int8; Keras' quantized lookup rescales it
+            segments = self.segment_embedding(segment_ids)
+        x = (
+            self.token_embedding(token_ids)
+            + ops.cast(segments, self.compute_dtype)
+            + ops.cast(positions, self.compute_dtype)
+        )  # (B, T, E)
         x = self.dropout_layer(self.layer_norm(x), training=training)
         if self.projection is not None:
             x = self.projection(x)  # (B, T, H)

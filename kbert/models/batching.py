@@ -348,6 +348,11 @@ class PackedBatches(BucketedBatches):
             x, y, sample_weight, batch_size, shuffle, group_by_length, multiple=multiple
         )
         self.row_length = row_length or bucket_length(self.lengths.max(), self.full)
+        if self.row_length < self.lengths.max():
+            raise ValueError(
+                f"row_length={self.row_length} is shorter than the longest example "
+                f"({self.lengths.max()} tokens)"
+            )
         self.packing = True
         self.plan_rows()
 
@@ -408,26 +413,35 @@ class PackedBatches(BucketedBatches):
     def shape_key(self, index):
         if not self.packing:
             return super().shape_key(index)
-        return (len(self.batches[index]), self.batch_rows[index])
+        return (len(self.batches[index]), self.batch_rows[index], self.row_length)
 
 
 def can_pack(model, x, y, sample_weight):
     """Whether `fit` can pack rows for `model` on these inputs: a task with
     per-example outputs (`packs_rows`), host arrays of the backbone's three
-    inputs, per-example targets and weights."""
+    inputs, every example with a real token, per-example targets and
+    weights. (Not under data parallelism: `Task.fit` checks that.)"""
     if not getattr(model, "packs_rows", False) or not can_bucket(x, y, sample_weight):
         return False
     if set(x) != set(TOKEN_INPUTS) or any(np.ndim(v) != 2 for v in x.values()):
         return False
-    return True
+    # an example of padding only attends everywhere in its row (see
+    # `ops.attention_keep`): packed, that would be other examples
+    return bool(np.asarray(x["padding_mask"]).any(axis=-1).all())
+
+
+def packs_by_default():
+    """Whether `fit(pack_rows=None)` considers packing: on JAX on a CPU
+    (every other backend there runs blocks on the real tokens; on a GPU or
+    TPU JAX runs one length per `fit`)."""
+    return not (is_torch() or is_tensorflow() or jax_on_accelerator())
 
 
 def packing_pays(packed_batches):
-    """Where `fit(pack_rows=None)` packs: JAX on a CPU (every other
-    backend there runs blocks on the real tokens; on a GPU or TPU JAX runs
-    one length per `fit`), when packing leaves at most `PACK_MAX_SHARE` of
-    the positions of length buckets."""
-    if is_torch() or is_tensorflow() or jax_on_accelerator():
+    """Where `fit(pack_rows=None)` packs: where `packs_by_default()` and
+    packing leaves at most `PACK_MAX_SHARE` of the positions of length
+    buckets."""
+    if not packs_by_default():
         return False
     packed, bucketed = packed_batches.positions()
     return packed <= PACK_MAX_SHARE * bucketed

@@ -165,6 +165,15 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
     def _bucketed(
         self, x, y, sample_weight, batch_size, shuffle, multiple, group_by_length=False, pack=False
     ):
+        if pack is None and not batching.packs_by_default():
+            pack = False
+        if pack is not False and self._data_parallel():
+            if pack:
+                raise ValueError(
+                    "pack_rows=True runs on one device: a packed batch's rows and "
+                    "examples cannot be split between replicas"
+                )
+            pack = False
         if pack is not False and batching.can_pack(self, x, y, sample_weight):
             batches = batching.PackedBatches(
                 x, y, sample_weight, batch_size or 32, bool(shuffle), group_by_length, multiple
@@ -176,7 +185,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             raise ValueError(
                 f"pack_rows=True needs a task with one output per example "
                 f"({type(self).__name__} has not) and inputs as arrays "
-                f"of token_ids, segment_ids and padding_mask (N, T)"
+                f"of token_ids, segment_ids and padding_mask (N, T), "
+                f"each example with at least one real token"
             )
         return batching.BucketedBatches(
             x,
@@ -290,6 +300,13 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         with stack, context, _input_errors(), checks.inputs_checked_on_host():
             with keras_internals.jax_variables_kept_on_error(self):
                 return super().fit(**a)
+
+    def _data_parallel(self):
+        """Whether batches are split between replicas: torch DDP, a
+        `keras.distribution`, a TensorFlow strategy of several replicas."""
+        if distribution.torch_ddp_active() or keras.distribution.distribution() is not None:
+            return True
+        return backend.is_tensorflow() and self.distribute_strategy.num_replicas_in_sync > 1
 
     def _build_optimizer(self):
         """On TensorFlow, creates the optimizer's variables before `fit`

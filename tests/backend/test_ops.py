@@ -252,8 +252,12 @@ def test_layer_norm_gradient_is_autodiff_of_keras_layer_norm():
     def loss(f):
         return lambda x, g, b: (f(x, g, b) * weights).sum()
 
-    ours = lambda x, g, b: fused.fused_layer_norm(x, g, b, 1e-12)  # noqa: E731
+    from kbert.backend import jax_ops
+
+    # the custom LayerNorm itself (`fused_layer_norm` takes it on a GPU or TPU)
+    ours = lambda x, g, b: jax_ops.layer_norm(x, g, b, 1e-12)  # noqa: E731
     ref = lambda x, g, b: keras.ops.layer_normalization(x, g, b, epsilon=1e-12)  # noqa: E731
+    np.testing.assert_allclose(ours(x, gamma, beta), ref(x, gamma, beta), atol=1e-5)
     got = jax.jit(jax.grad(loss(ours), (0, 1, 2)))(x, gamma, beta)
     want = jax.grad(loss(ref), (0, 1, 2))(x, gamma, beta)
     for a, b in zip(got, want):

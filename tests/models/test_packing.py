@@ -157,6 +157,16 @@ def test_pack_rows_errors_name_the_problem():
     model.compile()
     with pytest.raises(ValueError, match="pack_rows=True needs length buckets"):
         model.fit(x, np.zeros(8, "int32"), verbose=0, bucket_lengths=False, pack_rows=True)
+    empty = {**x, "padding_mask": x["padding_mask"].copy()}
+    empty["padding_mask"][3] = 0  # all padding: would attend to its row's other examples
+    with pytest.raises(ValueError, match="at least one real token"):
+        model.fit(empty, np.zeros(8, "int32"), verbose=0, pack_rows=True)
+    with pytest.raises(ValueError, match="shorter than the longest example"):
+        batching.PackedBatches(x, batch_size=4, row_length=T - 1)
+    if keras.backend.backend() == "jax":
+        with keras.distribution.DataParallel().scope():
+            with pytest.raises(ValueError, match="runs on one device"):
+                model.fit(x, np.zeros(8, "int32"), verbose=0, pack_rows=True)
 
 
 def test_fit_packs_by_default_where_it_pays():

@@ -96,19 +96,24 @@ class TrainerShims:
     ({'token_ids': PerReplica..."). A kbert task is built when it is
     constructed; when only the optimizer is left, build it directly. Can go
     when Keras builds distributed functional models without a sample batch.
+    Without a strategy Keras leaves the optimizer to the first trace of the
+    step, and a `tf.function` whose first trace creates variables is traced
+    a second time (seconds of a short `fit` on a CPU): the optimizer is
+    built here then too, in the default strategy's scope, with the
+    variables the trace would have made.
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = distribute_strategy(self)
+        layers_built = all(layer.built for layer in self._flatten_layers())
+        if layers_built and self.optimizer is not None and not self.optimizer.built:
+            with self.distribute_strategy.scope():
+                self.optimizer.build(self.trainable_variables)
         built = (
-            all(layer.built for layer in self._flatten_layers())
+            layers_built
             and (self._compile_metrics is None or self._compile_metrics.built)
             and (self._compile_loss is None or self._compile_loss.built)
         )
-        if strategy is not None and built:
-            if self.optimizer is not None and not self.optimizer.built:
-                with strategy.scope():
-                    self.optimizer.build(self.trainable_variables)
+        if built and distribute_strategy(self) is not None:
             return
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 

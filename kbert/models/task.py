@@ -296,7 +296,6 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         # On torch: batches made on the host, copied without blocking by
         # kbert's step, which a GPU replays as a CUDA graph where it can.
         context = torch_step.fit_context(self) if backend.is_torch() else contextlib.nullcontext()
-        self._build_optimizer()
         with stack, context, _input_errors(), checks.inputs_checked_on_host():
             with keras_internals.jax_variables_kept_on_error(self):
                 return super().fit(**a)
@@ -307,19 +306,6 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         if distribution.torch_ddp_active() or keras.distribution.distribution() is not None:
             return True
         return backend.is_tensorflow() and self.distribute_strategy.num_replicas_in_sync > 1
-
-    def _build_optimizer(self):
-        """On TensorFlow, creates the optimizer's variables before `fit`
-        traces its step, in the model's distribution strategy scope. Keras
-        there (without a strategy) leaves them to the first trace of the
-        step, and a `tf.function` whose first trace creates variables is
-        traced a second time (seconds of a short `fit` on a CPU). The
-        variables are the ones the trace would have made (JAX and torch
-        build them before the step already)."""
-        optimizer = getattr(self, "optimizer", None)
-        if backend.is_tensorflow() and optimizer is not None and not optimizer.built and self.built:
-            with self.distribute_strategy.scope():
-                optimizer.build(self.trainable_variables)
 
     def evaluate(self, x=None, y=None, *args, bucket_lengths=True, **kwargs):
         """Keras `evaluate`, with `fit`'s input checks and length buckets

@@ -50,6 +50,9 @@ Systems:
     kbert-jax-pack, kbert-jax-nopack sst2 with `pack_rows=True` / `False`
                                      (several sentences per row; by default
                                      JAX packs on a CPU only)
+    kbert-jax-autotune               `compile(autotune=True)`: XLA autotunes
+                                     every step program (by default not for
+                                     runs under 10,000 steps)
     hf-eager                         transformers, fast tokenizer, each batch
                                      padded to its longest (its Trainer's
                                      dynamic padding), bf16 autocast
@@ -79,6 +82,7 @@ SYSTEMS = (
     "kbert-torch-fixed",
     "kbert-jax-pack",
     "kbert-jax-nopack",
+    "kbert-jax-autotune",
     "kbert-tensorflow",
     "kbert-tensorflow-fixed",
     "hf-eager",
@@ -156,7 +160,7 @@ def fit_result(examples, start, built, trained):
     }
 
 
-def run_kbert(task, bucket_lengths, args, pack_rows=None):
+def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
     import keras
     import numpy as np
 
@@ -183,7 +187,7 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None):
             args.architecture, vocabulary_size=30522, dtype=dtype
         )
         model = cls(backbone, preprocessor=preprocessor, **head)
-    model.compile(learning_rate=LR)
+    model.compile(learning_rate=LR, autotune=autotune)
     built = time.perf_counter()
     model.fit(
         texts,
@@ -443,7 +447,8 @@ def child(args):
             False if suffix == "fixed" else int(suffix[1:]) if suffix.startswith("b") else True
         )
         pack_rows = {"pack": True, "nopack": False}.get(suffix)
-        return run_kbert(task, bucket_lengths, args, pack_rows)
+        autotune = True if suffix == "autotune" else "auto"
+        return run_kbert(task, bucket_lengths, args, pack_rows, autotune)
     return run_hf(task, system == "hf-compile", args)
 
 

@@ -61,21 +61,23 @@ def dropout(inputs, rate, seed_generator):
     # keep iff bits < (1 - rate) * 2^32, exact to 2^-32.
     keep = bits < jnp.uint32(min(int(round((1.0 - rate) * 2**32)), 2**32 - 1))
 
-    def masked(x):  # the product in float32: 1 / 0.9 in bfloat16 is 1.109, a 0.16% bias
+    def masked(x, keep):  # the product in float32: 1 / 0.9 in bfloat16 is 1.109, a 0.16% bias
         return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros_like(x))
 
+    # The mask is an argument, not a closure: a custom_vjp closing over a
+    # traced value fails under lax.scan (the scanned encoder blocks).
     @jax.custom_vjp
-    def apply(x):
-        return masked(x)
+    def apply(x, keep):
+        return masked(x, keep)
 
-    def forward(x):
-        return apply(x), None
+    def forward(x, keep):
+        return apply(x, keep), keep
 
-    def backward(_, grad):  # one fused select; autodiff left the scaling as a separate pass
-        return (masked(grad),)
+    def backward(keep, grad):  # one fused select; autodiff left the scaling as a separate pass
+        return masked(grad, keep), None
 
     apply.defvjp(forward, backward)
-    return apply(inputs)
+    return apply(inputs, keep)
 
 
 def cudnn_attention(query, key, value, keep, scale, implementation="cudnn"):
@@ -114,17 +116,17 @@ def _permute_keys(x, order, inverse):
     (autodiff of a gather would scatter-add)."""
 
     @jax.custom_vjp
-    def permute(x):
+    def permute(x, order, inverse):  # the orders as arguments: see `dropout`
         return jnp.take_along_axis(x, order[:, :, None, None], axis=1)
 
-    def forward(x):
-        return permute(x), None
+    def forward(x, order, inverse):
+        return permute(x, order, inverse), inverse
 
-    def backward(_, grad):
-        return (jnp.take_along_axis(grad, inverse[:, :, None, None], axis=1),)
+    def backward(inverse, grad):
+        return jnp.take_along_axis(grad, inverse[:, :, None, None], axis=1), None, None
 
     permute.defvjp(forward, backward)
-    return permute(x)
+    return permute(x, order, inverse)
 
 
 def embedding_sum(tokens, positions, segments, segment_ids):

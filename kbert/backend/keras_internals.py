@@ -370,13 +370,62 @@ def jax_step_function(model, kind="train"):
     """The jitted step Keras' JAX `fit` makes of `model.train_step`
     ("train") or `model.test_step` ("test"): `jax.jit(step,
     donate_argnums=0)` without a distribution (`JAXTrainer.make_train_function`
-    / `make_test_function`, Keras 3.12-3.15). A jit of the same bound
-    method shares JAX's compilation cache with Keras' own. Can go if Keras
-    exposes its jitted steps."""
+    / `make_test_function`, Keras 3.12-3.15), with the compiler options
+    kbert gave Keras' jit (`jax_jit_options`). A jit of the same bound
+    method and options shares JAX's compilation cache with Keras' own. Can
+    go if Keras exposes its jitted steps."""
     import jax
 
     step = model.train_step if kind == "train" else model.test_step
-    return jax.jit(step, donate_argnums=0)
+    options = step_compiler_options(model, kind)
+    return jax.jit(step, donate_argnums=0, compiler_options=options)
+
+
+def step_compiler_options(model, kind):
+    """The XLA compiler options of `model`'s `kind` step ("train", "test",
+    "predict"): those Keras' current step was jitted with, or those planned
+    for the next (`plan_step_compiler_options`); None: XLA's defaults."""
+    return getattr(model, "_kbert_step_options", {}).get(kind)
+
+
+def plan_step_compiler_options(model, kind, options):
+    """Sets the compiler options of `model`'s next `kind` step; a step Keras
+    already made keeps its own (and its compiled programs)."""
+    function = {
+        "train": model.train_function,
+        "test": model.test_function,
+        "predict": model.predict_function,
+    }[kind]
+    if function is None:
+        if not hasattr(model, "_kbert_step_options"):
+            model._kbert_step_options = {}
+        model._kbert_step_options[kind] = dict(options) if options else None
+
+
+@contextlib.contextmanager
+def jax_jit_options(model, kind):
+    """Keras' JAX trainer jits the `kind` step it makes inside this context
+    with `step_compiler_options(model, kind)`: `make_*_function` call the
+    `jit` of `keras.src.backend.jax.trainer` (jax.jit, or nnx.jit under
+    NNX, left alone), rebound here for the call (Keras 3.12-3.15). Can go
+    if Keras' `compile` takes XLA compiler options."""
+    options = step_compiler_options(model, kind)
+    if not options or keras.backend.backend() != "jax" or keras.config.is_nnx_enabled():
+        yield
+        return
+    import functools
+
+    import jax
+    from keras.src.backend.jax import trainer
+
+    if trainer.jit is not jax.jit:
+        yield
+        return
+    trainer.jit = functools.partial(jax.jit, compiler_options=options)
+    try:
+        yield
+    finally:
+        trainer.jit = jax.jit
 
 
 def jax_step_state(model, kind="train"):

@@ -275,6 +275,9 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             validation = raw_text.convert(self, validation, None)[0]
             validation = self._prepare_inputs(validation, bucket_lengths)
         a["validation_data"] = validation
+        steps = _steps(a["x"], a["batch_size"], a["steps_per_epoch"])
+        epochs = max(a["epochs"] - a["initial_epoch"], 1)
+        jax_compile.plan(self, None if steps is None else steps * epochs, ("train", "test"))
         stack = contextlib.ExitStack()
         if (
             backend.is_jax()
@@ -323,6 +326,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
                 a["x"], a["y"], a["sample_weight"], a["batch_size"], False, bucket_lengths
             )
             a.update(y=None, sample_weight=None, batch_size=None)
+        jax_compile.plan(self, _steps(a["x"], a["batch_size"], a["steps"]), ("test",))
         with _input_errors(), checks.inputs_checked_on_host():
             with keras_internals.jax_variables_kept_on_error(self):
                 return super().evaluate(**a)
@@ -343,6 +347,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         bucket_lengths = _multiple(bucket_lengths, self)
         x, _ = raw_text.convert(self, x, None, with_targets=False)
         x = self._prepare_inputs(x, 0 if self.token_outputs else bucket_lengths)
+        jax_compile.plan(self, _steps(x, batch_size, steps), ("predict",))
         # On torch with a GPU: the forward replayed as a CUDA graph per shape.
         context = (
             torch_step.predict_context(self) if backend.is_torch() else contextlib.nullcontext()
@@ -434,6 +439,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         num_train_steps=None,
         num_warmup_steps=None,
         cuda_graph="auto",
+        autotune="auto",
         **kwargs,
     ):
         """Fine-tuning defaults: AdamW (weight decay 0.01, none on LayerNorm
@@ -448,10 +454,22 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         `compute_metrics` or `call`), since a replay does not rerun Python:
         code that reads Python state changing between steps would see it
         frozen at capture. True: also with your code (it must compute from
-        its tensors only). False: every step eager. No effect elsewhere."""
+        its tensors only). False: every step eager. No effect elsewhere.
+
+        `autotune`: on JAX with a GPU, whether XLA autotunes the matrix
+        products of each step program it compiles (seconds per program,
+        repaid over about 10,000 steps; see `kbert.backend.jax_compile`).
+        "auto": for a `fit`, `evaluate` or `predict` of at least
+        `jax_compile.AUTOTUNE_MIN_STEPS` batches, or of an unknown number
+        (a `tf.data` dataset); decided when the call first makes the step
+        (after `compile`), which later calls reuse. True: always (XLA's
+        default). False: never. No effect elsewhere."""
         if cuda_graph not in ("auto", True, False):
             raise ValueError(f'cuda_graph must be "auto", True or False; got {cuda_graph!r}')
+        if not any(autotune is choice for choice in jax_compile.AUTOTUNE_CHOICES):
+            raise ValueError(f'autotune must be "auto", True or False; got {autotune!r}')
         self.cuda_graph = cuda_graph
+        self.autotune = autotune
         if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
             steps = num_train_steps or 10**9  # no decay when the length is unknown
             warmup = (
@@ -468,6 +486,18 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         ):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         super().compile(optimizer=optimizer, **kwargs)
+
+    def make_train_function(self, force=False):
+        with keras_internals.jax_jit_options(self, "train"):
+            return super().make_train_function(force)
+
+    def make_test_function(self, force=False):
+        with keras_internals.jax_jit_options(self, "test"):
+            return super().make_test_function(force)
+
+    def make_predict_function(self, force=False):
+        with keras_internals.jax_jit_options(self, "predict"):
+            return super().make_predict_function(force)
 
     def train_step(self, *args, **kwargs):
         if backend.is_torch() and torch_step.runs_our_step(self):
@@ -517,6 +547,20 @@ def _multiple(bucket_lengths, model=None, training_inputs=None):
     raise ValueError(
         f"bucket_lengths must be True, False or a positive int (a multiple), got {bucket_lengths!r}"
     )
+
+
+def _steps(x, batch_size, steps=None):
+    """How many batches a call on `x` runs, where known: `steps` if given,
+    the batches of `kbert.models.batching.BucketedBatches`, host arrays
+    in batches of `batch_size` (32 by default); None for a dataset."""
+    if steps is not None:
+        return steps
+    if isinstance(x, batching.BucketedBatches):
+        return len(x)
+    first = next(iter(x.values()), None) if isinstance(x, dict) else x
+    if isinstance(first, np.ndarray) and first.ndim:
+        return -(-len(first) // (batch_size or 32))
+    return None
 
 
 def _bind(method, *args, **kwargs):

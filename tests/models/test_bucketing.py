@@ -422,6 +422,99 @@ def test_jax_compiles_ahead_only_for_a_jitted_step_and_callbacks_in_a_list(monke
     assert not jax_compile.applies(model, None)
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA compiler options")
+def test_jax_short_runs_on_a_gpu_compile_without_autotuning(monkeypatch):
+    """On a GPU, step programs of a call of fewer than AUTOTUNE_MIN_STEPS
+    batches compile without XLA's GEMM autotuning ("auto"); longer calls,
+    calls of unknown length and other platforms keep XLA's defaults;
+    `compile(autotune=...)` forces either."""
+    import types
+
+    import jax
+
+    from kbert.backend import jax_compile
+
+    model, _, _, _ = task("classifier")
+    fast = jax_compile.FAST_COMPILE_OPTIONS
+    few, many = 100, jax_compile.AUTOTUNE_MIN_STEPS
+    for platform in ("gpu", "cpu"):
+        device = types.SimpleNamespace(platform=platform)
+        monkeypatch.setattr(jax, "devices", lambda device=device: [device])
+        on_gpu = platform == "gpu"
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        assert jax_compile.step_options(model, few) == (fast if on_gpu else None)
+        assert jax_compile.step_options(model, many) is None
+        assert jax_compile.step_options(model, None) is None
+        model.compile(optimizer=keras.optimizers.SGD(0.05), autotune=False)
+        assert jax_compile.step_options(model, many) == (fast if on_gpu else None)
+        assert jax_compile.step_options(model, None) == (fast if on_gpu else None)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), autotune=True)
+        assert jax_compile.step_options(model, few) is None
+    with pytest.raises(ValueError, match="autotune must be"):
+        model.compile(autotune="never")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA compiler options")
+def test_jax_steps_and_their_ahead_compiled_programs_take_the_planned_options(
+    monkeypatch, tmp_path
+):
+    """The compiler options planned for a call (forced here on the CPU, with
+    an option whose effect shows: a dump directory) reach XLA for the
+    training, validation and predict steps, and the programs compiled
+    ahead carry them too: the steps run those (Keras compiles none on the
+    main thread). The numbers are those of a `fit` without options. A step
+    Keras has made keeps its options and programs."""
+    import logging
+    import os
+    import threading
+
+    import jax
+
+    from kbert.backend import jax_compile, keras_internals
+
+    dump = tmp_path / "xla"
+    compiles = []
+
+    class Steps(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith("Finished XLA compilation") and "_step)" in text:
+                compiles.append(threading.current_thread().name)
+
+    handler, logger = Steps(), logging.getLogger("jax")
+    logger.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    monkeypatch.setattr(jax_compile, "enabled", lambda: True)
+    monkeypatch.setattr(batching, "packing_pays", lambda batches: False)
+    histories = []
+    try:
+        for options in (None, {"xla_dump_to": str(dump)}):
+            monkeypatch.setattr(jax_compile, "step_options", lambda model, steps, o=options: o)
+            model, x, y, _ = task("classifier")
+            model.compile(optimizer=keras.optimizers.SGD(0.05))
+            train = {k: v[:10] for k, v in x.items()}
+            held_out = ({k: v[10:] for k, v in x.items()}, y[10:])
+            compiles.clear()
+            history = model.fit(
+                train, y[:10], validation_data=held_out, batch_size=4, verbose=0, bucket_lengths=T
+            )
+            histories.append(history.history)
+        assert len(compiles) == 3 and all(name.startswith("kbert-compile") for name in compiles)
+        assert keras_internals.step_compiler_options(model, "train") == {"xla_dump_to": str(dump)}
+        model.predict(train, batch_size=4)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+    files = os.listdir(dump)
+    for step in ("train_step", "test_step", "predict_step"):
+        assert any(step in name for name in files), step
+    for key in histories[0]:
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6)
+    # a made step keeps its options
+    keras_internals.plan_step_compiler_options(model, "train", None)
+    assert keras_internals.step_compiler_options(model, "train") == {"xla_dump_to": str(dump)}
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="tf.data datasets")
 def test_tensorflow_batches_run_without_autotuning():
     """tf.data's autotuning thread held the end of a `fit`: the iterator's

@@ -22,8 +22,9 @@ On a GPU, XLA also autotunes each matrix product of a new program (it
 times candidate kernels). For BERT-base (batch 32, 64 tokens, H100) that
 is about 8 of a step program's 16 to 24 s of compilation, and it makes
 each step about 8% faster (6.5 against 7.1 ms): it repays itself after
-some 15,000 steps. `step_options` leaves it out of the programs of
-shorter runs (`Task.compile(autotune=...)`).
+some 10,000 to 15,000 steps of that program. `step_options` leaves it
+out of the programs of runs of fewer than `AUTOTUNE_MIN_STEPS` steps
+(`Task.compile(autotune=...)`).
 
 Only for batches whose shapes are known in advance (kbert's length
 buckets on host arrays), with the step jitted (not `run_eagerly`, not
@@ -62,8 +63,6 @@ FAST_COMPILE_OPTIONS = {
     "xla_llvm_disable_expensive_passes": True,
 }
 
-AUTOTUNE_CHOICES = ("auto", True, False)
-
 
 def step_options(model, steps):
     """XLA compiler options for `model`'s step programs in a call that runs
@@ -74,21 +73,23 @@ def step_options(model, steps):
     import jax
 
     autotune = getattr(model, "autotune", "auto")
-    if autotune is True or jax.devices()[0].platform != "gpu":
+    if autotune is True or jax.devices()[0].platform != "gpu":  # TPU options differ
         return None
     if autotune is False or (steps is not None and steps < AUTOTUNE_MIN_STEPS):
         return dict(FAST_COMPILE_OPTIONS)
     return None
 
 
-def plan(model, steps, kinds):
+def plan(model, steps, kinds, replace=True):
     """Plans the compiler options (`step_options`) of `model`'s `kinds` steps
-    that Keras has not made yet, for a call of about `steps` steps."""
+    that Keras has not made yet, for a call of about `steps` steps; with
+    `replace=False`, only those not planned yet."""
     if not backend.is_jax():
         return
     options = step_options(model, steps)
     for kind in kinds:
-        keras_internals.plan_step_compiler_options(model, kind, options)
+        if replace or not keras_internals.step_compiler_options_planned(model, kind):
+            keras_internals.plan_step_compiler_options(model, kind, options)
 
 
 # The programs each model's jitted Keras steps have run: model -> {kind:

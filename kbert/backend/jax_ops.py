@@ -65,7 +65,8 @@ def dropout(inputs, rate, seed_generator):
         return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros_like(x))
 
     # The mask is an argument, not a closure: a custom_vjp closing over a
-    # traced value fails under lax.scan (the scanned encoder blocks).
+    # traced value fails where the function is traced anew, as in the body
+    # of a lax.scan over layers.
     @jax.custom_vjp
     def apply(x, keep):
         return masked(x, keep)

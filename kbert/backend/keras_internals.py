@@ -13,6 +13,7 @@ Checked on Keras 3.12.0 to 3.15.1 (the declared range in pyproject.toml;
 
 import contextlib
 import sys
+import threading
 
 import keras
 
@@ -388,6 +389,16 @@ def step_compiler_options(model, kind):
     return getattr(model, "_kbert_step_options", {}).get(kind)
 
 
+def step_compiler_options_planned(model, kind):
+    """Whether `model`'s `kind` step has options planned (or made)."""
+    return kind in getattr(model, "_kbert_step_options", {})
+
+
+def clear_step_compiler_options(model):
+    """Forgets the planned options: Keras' `compile` drops its steps."""
+    model._kbert_step_options = {}
+
+
 def plan_step_compiler_options(model, kind, options):
     """Sets the compiler options of `model`'s next `kind` step; a step Keras
     already made keeps its own (and its compiled programs)."""
@@ -402,6 +413,9 @@ def plan_step_compiler_options(model, kind, options):
         model._kbert_step_options[kind] = dict(options) if options else None
 
 
+_JIT_LOCK = threading.RLock()  # one rebinding of Keras' `jit` at a time
+
+
 @contextlib.contextmanager
 def jax_jit_options(model, kind):
     """Keras' JAX trainer jits the `kind` step it makes inside this context
@@ -410,7 +424,7 @@ def jax_jit_options(model, kind):
     NNX, left alone), rebound here for the call (Keras 3.12-3.15). Can go
     if Keras' `compile` takes XLA compiler options."""
     options = step_compiler_options(model, kind)
-    if not options or keras.backend.backend() != "jax" or keras.config.is_nnx_enabled():
+    if not options or keras.backend.backend() != "jax":
         yield
         return
     import functools
@@ -418,14 +432,18 @@ def jax_jit_options(model, kind):
     import jax
     from keras.src.backend.jax import trainer
 
-    if trainer.jit is not jax.jit:
-        yield
-        return
-    trainer.jit = functools.partial(jax.jit, compiler_options=options)
-    try:
-        yield
-    finally:
-        trainer.jit = jax.jit
+    with _JIT_LOCK:
+        if keras.config.is_nnx_enabled() or trainer.jit is not jax.jit:
+            # not ours to rebind: the step gets no options, and the
+            # ahead compiler must not use them either
+            model._kbert_step_options[kind] = None
+            yield
+            return
+        trainer.jit = functools.partial(jax.jit, compiler_options=options)
+        try:
+            yield
+        finally:
+            trainer.jit = jax.jit
 
 
 def jax_step_state(model, kind="train"):

@@ -326,7 +326,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
                 a["x"], a["y"], a["sample_weight"], a["batch_size"], False, bucket_lengths
             )
             a.update(y=None, sample_weight=None, batch_size=None)
-        jax_compile.plan(self, _steps(a["x"], a["batch_size"], a["steps"]), ("test",))
+        if not a.get("_use_cached_eval_dataset"):  # not fit's validation: fit planned that
+            jax_compile.plan(self, _steps(a["x"], a["batch_size"], a["steps"]), ("test",))
         with _input_errors(), checks.inputs_checked_on_host():
             with keras_internals.jax_variables_kept_on_error(self):
                 return super().evaluate(**a)
@@ -466,10 +467,11 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         default). False: never. No effect elsewhere."""
         if cuda_graph not in ("auto", True, False):
             raise ValueError(f'cuda_graph must be "auto", True or False; got {cuda_graph!r}')
-        if not any(autotune is choice for choice in jax_compile.AUTOTUNE_CHOICES):
+        if not (autotune is True or autotune is False or autotune == "auto"):
             raise ValueError(f'autotune must be "auto", True or False; got {autotune!r}')
         self.cuda_graph = cuda_graph
-        self.autotune = autotune
+        self.autotune = autotune if isinstance(autotune, bool) else "auto"
+        keras_internals.clear_step_compiler_options(self)  # Keras' compile makes new steps
         if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
             steps = num_train_steps or 10**9  # no decay when the length is unknown
             warmup = (
@@ -487,15 +489,20 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         super().compile(optimizer=optimizer, **kwargs)
 
+    # A step made without a plan (train_on_batch, ...) runs an unknown
+    # number of times: `jax_compile.step_options(self, None)`.
     def make_train_function(self, force=False):
+        jax_compile.plan(self, None, ("train",), replace=False)
         with keras_internals.jax_jit_options(self, "train"):
             return super().make_train_function(force)
 
     def make_test_function(self, force=False):
+        jax_compile.plan(self, None, ("test",), replace=False)
         with keras_internals.jax_jit_options(self, "test"):
             return super().make_test_function(force)
 
     def make_predict_function(self, force=False):
+        jax_compile.plan(self, None, ("predict",), replace=False)
         with keras_internals.jax_jit_options(self, "predict"):
             return super().make_predict_function(force)
 
@@ -551,15 +558,21 @@ def _multiple(bucket_lengths, model=None, training_inputs=None):
 
 def _steps(x, batch_size, steps=None):
     """How many batches a call on `x` runs, where known: `steps` if given,
-    the batches of `kbert.models.batching.BucketedBatches`, host arrays
-    in batches of `batch_size` (32 by default); None for a dataset."""
+    the batches of a `keras.utils.PyDataset` (kbert's length buckets
+    among them), arrays or tensors in batches of `batch_size` (32 by
+    default); None for a dataset or generator."""
     if steps is not None:
         return steps
-    if isinstance(x, batching.BucketedBatches):
-        return len(x)
-    first = next(iter(x.values()), None) if isinstance(x, dict) else x
-    if isinstance(first, np.ndarray) and first.ndim:
-        return -(-len(first) // (batch_size or 32))
+    if isinstance(x, keras.utils.PyDataset):
+        try:
+            return x.num_batches  # None: infinite
+        except NotImplementedError:  # neither num_batches nor __len__
+            return None
+    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
+    first = leaves[0] if leaves else None
+    shape = getattr(first, "shape", None)
+    if shape is not None and len(shape) and isinstance(shape[0], int):
+        return -(-shape[0] // (batch_size or 32))
     return None
 
 

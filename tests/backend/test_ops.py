@@ -110,6 +110,49 @@ def test_dropout_gradient_uses_the_forward_mask():
     np.testing.assert_allclose(grad, np.where(keep, np.asarray(weights) * scale, 0), rtol=1e-6)
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's custom gradients")
+def test_dropout_and_key_permutation_differentiate_inside_lax_scan():
+    """Their custom gradients take the mask and the key orders as arguments:
+    a gradient through a lax.scan whose body draws them (as a scan over
+    encoder blocks would) equals the one of the same steps unrolled."""
+    import jax
+    import jax.numpy as jnp
+
+    from kbert.backend import jax_ops
+
+    class Seed:  # the seed of each step, a traced scan input
+        def __init__(self, seed):
+            self.seed = seed
+
+        def next(self):
+            return self.seed
+
+    seeds = jnp.arange(8, dtype=jnp.uint32).reshape(4, 2)
+    keep = jnp.asarray(np.random.default_rng(0).uniform(size=(4, 3, 6)) < 0.7)
+    x0 = jnp.linspace(-1, 1, 3 * 6 * 2 * 4, dtype=jnp.float32).reshape(3, 6, 2, 4)
+
+    def step(x, inputs):
+        seed, mask = inputs
+        order = jnp.argsort(~mask, axis=1, stable=True).astype(jnp.int32)
+        inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
+        x = jax_ops._permute_keys(x, order, inverse)
+        return jax_ops.dropout(jnp.sin(x), 0.3, Seed(seed)), None
+
+    def scanned(x):
+        return (jax.lax.scan(step, x, (seeds, keep))[0] ** 2).sum()
+
+    def unrolled(x):
+        for i in range(4):
+            x = step(x, (seeds[i], keep[i]))[0]
+        return (x**2).sum()
+
+    value, grad = jax.jit(jax.value_and_grad(scanned))(x0)
+    want_value, want_grad = jax.jit(jax.value_and_grad(unrolled))(x0)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(grad).sum()) > 0
+
+
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the hashed bits are JAX's")
 def test_dropout_bits_are_uniform_and_uncorrelated():
     """What dropout needs from `dropout_bits`: uniform bits, and keep masks

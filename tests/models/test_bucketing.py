@@ -422,6 +422,22 @@ def test_jax_compiles_ahead_only_for_a_jitted_step_and_callbacks_in_a_list(monke
     assert not jax_compile.applies(model, None)
 
 
+def test_the_number_of_batches_a_call_runs_where_it_is_known():
+    """What the autotuning choice counts: given steps, a PyDataset's
+    batches, arrays (dicts, tuples) in batches of batch_size; None for a
+    generator or a dataset without a length."""
+    from kbert.models.task import _steps
+
+    x = inputs()
+    assert _steps(x, 4) == -(-N // 4)
+    assert _steps(x, None) == -(-N // 32)
+    assert _steps((x["token_ids"], x["segment_ids"]), 5) == -(-N // 5)
+    assert _steps(x, 4, steps=7) == 7
+    batches = batching.BucketedBatches(x, np.arange(N), batch_size=5)
+    assert _steps(batches, None) == len(batches)
+    assert _steps(iter([x]), 4) is None
+
+
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA compiler options")
 def test_jax_short_runs_on_a_gpu_compile_without_autotuning(monkeypatch):
     """On a GPU, step programs of a call of fewer than AUTOTUNE_MIN_STEPS
@@ -489,7 +505,13 @@ def test_jax_steps_and_their_ahead_compiled_programs_take_the_planned_options(
     histories = []
     try:
         for options in (None, {"xla_dump_to": str(dump)}):
-            monkeypatch.setattr(jax_compile, "step_options", lambda model, steps, o=options: o)
+            # the options of calls of 3 steps or more: fit's (3 training
+            # steps), not its validation's alone (2 batches)
+
+            def step_options(model, steps, o=options):
+                return o if steps is not None and steps >= 3 else None
+
+            monkeypatch.setattr(jax_compile, "step_options", step_options)
             model, x, y, _ = task("classifier")
             model.compile(optimizer=keras.optimizers.SGD(0.05))
             train = {k: v[:10] for k, v in x.items()}
@@ -510,9 +532,16 @@ def test_jax_steps_and_their_ahead_compiled_programs_take_the_planned_options(
         assert any(step in name for name in files), step
     for key in histories[0]:
         np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-6)
-    # a made step keeps its options
+    # a made step keeps its options; `compile` (new steps) forgets them,
+    # and a step made without a plan gets those of an unknown length
     keras_internals.plan_step_compiler_options(model, "train", None)
     assert keras_internals.step_compiler_options(model, "train") == {"xla_dump_to": str(dump)}
+    model.compile(optimizer=keras.optimizers.SGD(0.05), autotune="".join(["au", "to"]))
+    assert model.autotune == "auto"
+    assert not keras_internals.step_compiler_options_planned(model, "train")
+    model.train_on_batch(train, y[:10])
+    assert keras_internals.step_compiler_options_planned(model, "train")
+    assert keras_internals.step_compiler_options(model, "train") is None
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="tf.data datasets")

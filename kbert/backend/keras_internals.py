@@ -148,8 +148,34 @@ class OptimizerShims:
     clipping). `_parallel_update_step` (the torch parallel optimizers,
     3.10-3.15) is the multi-tensor update Keras' torch `_backend_update_step`
     calls; kbert routes it to `parallel_update(grads, variables,
-    learning_rate)` when the optimizer defines one.
+    learning_rate)` when the optimizer defines one. `_apply_weight_decay`
+    (BaseOptimizer / TorchOptimizer, 3.10-3.15), which Keras calls with the
+    variables just before that update: an optimizer with
+    `defers_weight_decay` true notes which variables to decay instead, for
+    its update to apply (`take_deferred_decay`; `apply_weight_decay_now`
+    applies Keras' decay to them).
     """
+
+    defers_weight_decay = False
+
+    def _apply_weight_decay(self, variables):
+        if not self.defers_weight_decay:
+            return super()._apply_weight_decay(variables)
+        ids = frozenset(id(v) for v in variables if self.weight_decay and self._use_weight_decay(v))
+        # past Keras' attribute tracking, which would make a list of the
+        # model's variables the optimizer's own
+        object.__setattr__(self, "_kbert_deferred_decay", ids)
+
+    def take_deferred_decay(self, variables):
+        """Those of `variables` whose decay Keras left to this update (and
+        forgets them)."""
+        ids = self.__dict__.pop("_kbert_deferred_decay", frozenset())
+        return [v for v in variables if id(v) in ids]
+
+    def apply_weight_decay_now(self, variables):
+        """Keras' decoupled weight decay of `variables` (all to be decayed)."""
+        if variables:
+            super()._apply_weight_decay(variables)
 
     def _clip_gradients(self, grads):
         if not self.global_clipnorm:

@@ -189,6 +189,7 @@ def adam_update(optimizer, grads, variables, learning_rate):
     corrections computed on the device: one Triton kernel per variable on a
     GPU (`kbert.backend.torch_triton`), `torch._foreach_*` passes elsewhere."""
     m_list, v_list, v_hat_list = keras_internals.adam_slots(optimizer, variables)
+    keras_variables = variables
     variables = [keras_internals.torch_value(v) for v in variables]
     dtype = variables[0].dtype
     lr = keras.ops.cast(learning_rate, dtype)
@@ -199,14 +200,28 @@ def adam_update(optimizer, grads, variables, learning_rate):
     beta_2_power = torch.pow(optimizer.beta_2, local_step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     betas = (optimizer.beta_1, optimizer.beta_2)
+    # Keras' decoupled weight decay, deferred to here (`defers_weight_decay`)
+    defers = getattr(optimizer, "defers_weight_decay", False)
+    decayed = optimizer.take_deferred_decay(keras_variables) if defers else []
+    decayed_ids = {id(v) for v in decayed}
+    decay = [id(v) in decayed_ids for v in keras_variables]
+    if v_hat_list is None and cpu_fused_adam(
+        variables,
+        grads,
+        m_list,
+        v_list,
+        lr,
+        local_step,
+        *betas,
+        optimizer.epsilon,
+        weight_decay=(optimizer.weight_decay, decay) if any(decay) else None,
+    ):
+        return  # one pass over each variable on a CPU, decay included, the same arithmetic
+    optimizer.apply_weight_decay_now(decayed)
     if v_hat_list is None and torch_triton.adam_update(
         variables, grads, m_list, v_list, alpha, *betas, optimizer.epsilon
     ):
         return  # one kernel per variable on a GPU, the same arithmetic
-    if v_hat_list is None and cpu_fused_adam(
-        variables, grads, m_list, v_list, lr, local_step, *betas, optimizer.epsilon
-    ):
-        return  # one pass over each variable on a CPU, the same arithmetic
     torch._foreach_mul_(m_list, optimizer.beta_1)
     torch._foreach_add_(m_list, grads, alpha=1 - optimizer.beta_1)
     torch._foreach_mul_(v_list, optimizer.beta_2)
@@ -224,7 +239,9 @@ def adam_update(optimizer, grads, variables, learning_rate):
     )
 
 
-def cpu_fused_adam(variables, grads, m_list, v_list, lr, step, beta_1, beta_2, epsilon):
+def cpu_fused_adam(
+    variables, grads, m_list, v_list, lr, step, beta_1, beta_2, epsilon, weight_decay=None
+):
     """Keras' Adam update through torch's fused CPU kernel
     (`torch._fused_adam_`, torch 2.4-2.13 checked): one pass over each
     variable and its slots where the foreach update makes ten, about 9x
@@ -237,7 +254,12 @@ def cpu_fused_adam(variables, grads, m_list, v_list, lr, step, beta_1, beta_2, e
     (sqrt(v) / sqrt(c2) + eps) and lr / c1; with eps / sqrt(c2) for eps
     that is Keras' x - m lr sqrt(c2) / c1 / (sqrt(v) + eps), up to rounding.
     CPU tensors can be read without a device synchronisation, so the step
-    and learning rate become Python numbers here."""
+    and learning rate become Python numbers here.
+
+    `weight_decay`: (rate, [bool per variable]) or None: Keras' decoupled
+    decay x (1 - rate lr) of the marked variables before the update, in the
+    same pass (`torch._fused_adamw_`, which scales by 1 - lr rate first);
+    a separate pass over each decayed variable otherwise."""
     if torch.compiler.is_compiling() or not hasattr(torch, "_fused_adam_"):
         return False
     if not all(isinstance(b, (int, float)) for b in (beta_1, beta_2, epsilon)):
@@ -255,24 +277,33 @@ def cpu_fused_adam(variables, grads, m_list, v_list, lr, step, beta_1, beta_2, e
         for t in tensors
     ):
         return False
+    if weight_decay is not None and not (
+        isinstance(weight_decay[0], (int, float)) and hasattr(torch, "_fused_adamw_")
+    ):
+        return False
     step = float(step)
     correction_2 = 1.0 - beta_2**step
-    steps = [torch.tensor(step)] * len(variables)
-    torch._fused_adam_(
-        variables,
-        grads,
-        m_list,
-        v_list,
-        [],
-        steps,
-        lr=float(lr),
-        beta1=beta_1,
-        beta2=beta_2,
-        weight_decay=0.0,
-        eps=epsilon / correction_2**0.5,
-        amsgrad=False,
-        maximize=False,
-    )
+    rate, marked = weight_decay if weight_decay is not None else (0.0, [False] * len(variables))
+    for decays in (False, True):
+        part = [i for i, m in enumerate(marked) if bool(m) == decays]
+        if not part:
+            continue
+        kernel = torch._fused_adamw_ if decays else torch._fused_adam_
+        kernel(
+            [variables[i] for i in part],
+            [grads[i] for i in part],
+            [m_list[i] for i in part],
+            [v_list[i] for i in part],
+            [],
+            [torch.tensor(step)] * len(part),
+            lr=float(lr),
+            beta1=beta_1,
+            beta2=beta_2,
+            weight_decay=float(rate) if decays else 0.0,
+            eps=epsilon / correction_2**0.5,
+            amsgrad=False,
+            maximize=False,
+        )
     return True
 
 

@@ -99,6 +99,9 @@ class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
     bias corrections on the device), which a CUDA graph can capture."""
 
     updates_on_device = backend.is_torch()
+    # On torch the update applies the weight decay: in the same pass as
+    # Adam where torch's fused CPU kernel runs (see `torch_step.adam_update`).
+    defers_weight_decay = backend.is_torch()
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

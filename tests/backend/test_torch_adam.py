@@ -20,29 +20,45 @@ pytestmark = [
 ]
 
 
-def _train(monkeypatch, fused, steps=12):
+def _train(monkeypatch, fused, steps=12, optimizer_class=None, weight_decay=0.01):
     import torch
 
-    from kbert.backend import torch_step
+    from kbert.backend import keras_internals, torch_step
     from kbert.training.optimizer import AdamW
 
-    calls = []
+    class Calls(list):
+        pass
+
+    calls = Calls()
     original = torch_step.cpu_fused_adam
 
-    def counted(*args):
-        ran = original(*args) if fused else False
+    def counted(*args, **kwargs):
+        ran = original(*args, **kwargs) if fused else False
         calls.append(ran)
+        decays.append(kwargs.get("weight_decay"))
         return ran
+
+    decays, separate = [], []
+    apply_now = keras_internals.OptimizerShims.apply_weight_decay_now
+    monkeypatch.setattr(
+        AdamW,
+        "apply_weight_decay_now",
+        lambda self, v: (separate.append(len(v)), apply_now(self, v)),
+    )
 
     monkeypatch.setattr(torch_step, "cpu_fused_adam", counted)
     rng = np.random.default_rng(0)
     shapes = [(5, 7), (7,), (3,)]
     variables = [keras.Variable(rng.normal(size=s).astype("float32")) for s in shapes]
-    optimizer = AdamW(learning_rate=1e-2, weight_decay=0.01, global_clipnorm=1.0, epsilon=1e-6)
+    optimizer = (optimizer_class or AdamW)(
+        learning_rate=1e-2, weight_decay=weight_decay, global_clipnorm=1.0, epsilon=1e-6
+    )
+    optimizer.exclude_from_weight_decay(var_list=[variables[1]])
     for step in range(steps):
         scale = 1e-3 if step % 2 else 1.0  # steps where epsilon matters
         grads = [torch.tensor(rng.normal(size=s).astype("float32") * scale) for s in shapes]
         optimizer.apply(grads, variables)
+    calls.decays, calls.separate = decays, separate
     return [v.numpy() for v in variables], calls
 
 
@@ -52,6 +68,26 @@ def test_cpu_fused_adam_computes_the_foreach_update(monkeypatch):
     assert ran and all(ran) and not any(declined)
     for a, b in zip(fused, foreach):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_runs_in_the_fused_pass_with_keras_arithmetic(monkeypatch):
+    """kbert's AdamW applies Keras' decoupled weight decay inside torch's
+    fused kernel (one pass), or as Keras' own pass where the kernel does
+    not run: both give Keras' AdamW, decay excluded where asked."""
+    fused, ran = _train(monkeypatch, fused=True)
+    foreach, declined = _train(monkeypatch, fused=False)
+    keras_adamw, _ = _train(monkeypatch, fused=False, optimizer_class=keras.optimizers.AdamW)
+    undecayed, _ = _train(monkeypatch, fused=True, weight_decay=0.0)
+    assert all(ran) and not any(declined)
+    # fused: the decay went to the kernel, no separate pass; else Keras' pass
+    assert ran.decays == [(0.01, [True, False, True])] * 12 and sum(ran.separate) == 0
+    assert declined.separate == [2] * 12
+    for a, b, c in zip(fused, foreach, keras_adamw):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-6)
+    # 12 steps of decay at lr 1e-2, rate 0.01: about 1e-3 of each value
+    np.testing.assert_allclose(fused[1], undecayed[1], rtol=1e-5)  # excluded
+    assert np.abs(fused[0] / undecayed[0] - 1).max() > 5e-4  # decayed
 
 
 def test_cpu_fused_adam_declines_what_it_cannot_take():

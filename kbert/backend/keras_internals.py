@@ -153,7 +153,9 @@ class OptimizerShims:
     variables just before that update: an optimizer with
     `defers_weight_decay` true notes which variables to decay instead, for
     its update to apply (`take_deferred_decay`; `apply_weight_decay_now`
-    applies Keras' decay to them).
+    applies Keras' decay to them). Likewise an optimizer whose
+    `defers_clipping()` is true leaves the global-norm clipping's scale
+    (its `clip_scale(grads)`) to its update (`take_deferred_clip_scale`).
     """
 
     defers_weight_decay = False
@@ -180,7 +182,20 @@ class OptimizerShims:
     def _clip_gradients(self, grads):
         if not self.global_clipnorm:
             return super()._clip_gradients(grads)
+        if self.defers_clipping():
+            # the scale only: the update multiplies the gradients by it
+            object.__setattr__(self, "_kbert_clip_scale", self.clip_scale(grads))
+            return grads
         return self.clip_gradients(grads)
+
+    def defers_clipping(self):
+        """Whether the update scales the gradients (see `_clip_gradients`)."""
+        return False
+
+    def take_deferred_clip_scale(self):
+        """The clipping scale `_clip_gradients` left to this update, or None
+        (and forgets it)."""
+        return self.__dict__.pop("_kbert_clip_scale", None)
 
     def _parallel_update_step(self, grads, variables, learning_rate):
         if hasattr(self, "parallel_update"):

@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import torch
 
-from kbert.backend import keras_internals, torch_ddp, torch_triton
+from kbert.backend import keras_internals, torch_ddp, torch_ops, torch_triton
 
 
 def _host_tensor(value):
@@ -157,12 +157,32 @@ def _train_step(model, data):
         gradients = [v.value.grad for v in trainable_weights]
         if after_backward:
             torch_ddp.all_reduce_gradients(gradients)
-        with torch.no_grad():
+        with torch.no_grad(), own_gradients():
             model.optimizer.apply(gradients, trainable_weights)
     else:
         warnings.warn("The model does not have any trainable weights.")
     # (reduced across processes under torch-ddp: see Task.get_metrics_result)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+_OWN_GRADIENTS = [False]
+
+
+@contextlib.contextmanager
+def own_gradients():
+    """Within the block the gradients given to the optimizer are the step's
+    own (`.grad` tensors set to None before each backward pass): its update
+    may scale them in place (see `adam_update`)."""
+    before = _OWN_GRADIENTS[0]
+    _OWN_GRADIENTS[0] = True
+    try:
+        yield
+    finally:
+        _OWN_GRADIENTS[0] = before
+
+
+def owns_gradients():
+    return _OWN_GRADIENTS[0]
 
 
 class InPlaceCounter:
@@ -200,9 +220,11 @@ def adam_update(optimizer, grads, variables, learning_rate):
     beta_2_power = torch.pow(optimizer.beta_2, local_step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     betas = (optimizer.beta_1, optimizer.beta_2)
-    # Keras' decoupled weight decay, deferred to here (`defers_weight_decay`)
+    # Keras' decoupled weight decay and kbert's clipping scale, deferred to
+    # here (`defers_weight_decay`, `defers_clipping`)
     defers = getattr(optimizer, "defers_weight_decay", False)
     decayed = optimizer.take_deferred_decay(keras_variables) if defers else []
+    clip_scale = optimizer.take_deferred_clip_scale() if defers else None
     decayed_ids = {id(v) for v in decayed}
     decay = [id(v) in decayed_ids for v in keras_variables]
     if v_hat_list is None and cpu_fused_adam(
@@ -215,8 +237,11 @@ def adam_update(optimizer, grads, variables, learning_rate):
         *betas,
         optimizer.epsilon,
         weight_decay=(optimizer.weight_decay, decay) if any(decay) else None,
+        clip_scale=clip_scale,
     ):
-        return  # one pass over each variable on a CPU, decay included, the same arithmetic
+        return  # one pass over each variable on a CPU, decay and clipping included
+    if clip_scale is not None:
+        grads = torch_ops.scale_all(grads, clip_scale)
     optimizer.apply_weight_decay_now(decayed)
     if v_hat_list is None and torch_triton.adam_update(
         variables, grads, m_list, v_list, alpha, *betas, optimizer.epsilon
@@ -240,7 +265,17 @@ def adam_update(optimizer, grads, variables, learning_rate):
 
 
 def cpu_fused_adam(
-    variables, grads, m_list, v_list, lr, step, beta_1, beta_2, epsilon, weight_decay=None
+    variables,
+    grads,
+    m_list,
+    v_list,
+    lr,
+    step,
+    beta_1,
+    beta_2,
+    epsilon,
+    weight_decay=None,
+    clip_scale=None,
 ):
     """Keras' Adam update through torch's fused CPU kernel
     (`torch._fused_adam_`, torch 2.4-2.13 checked): one pass over each
@@ -259,7 +294,10 @@ def cpu_fused_adam(
     `weight_decay`: (rate, [bool per variable]) or None: Keras' decoupled
     decay x (1 - rate lr) of the marked variables before the update, in the
     same pass (`torch._fused_adamw_`, which scales by 1 - lr rate first);
-    a separate pass over each decayed variable otherwise."""
+    a separate pass over each decayed variable otherwise. `clip_scale`: a
+    float32 scalar tensor that multiplies every gradient first (global-norm
+    clipping), in the same pass as the kernel's `grad_scale` (a divisor:
+    it also writes the scaled gradients back)."""
     if torch.compiler.is_compiling() or not hasattr(torch, "_fused_adam_"):
         return False
     if not all(isinstance(b, (int, float)) for b in (beta_1, beta_2, epsilon)):
@@ -281,6 +319,11 @@ def cpu_fused_adam(
         isinstance(weight_decay[0], (int, float)) and hasattr(torch, "_fused_adamw_")
     ):
         return False
+    grad_scale = None
+    if clip_scale is not None:
+        if not (isinstance(clip_scale, torch.Tensor) and clip_scale.device.type == "cpu"):
+            return False
+        grad_scale = (1.0 / clip_scale.to(torch.float32)).reshape(())
     step = float(step)
     correction_2 = 1.0 - beta_2**step
     rate, marked = weight_decay if weight_decay is not None else (0.0, [False] * len(variables))
@@ -303,8 +346,19 @@ def cpu_fused_adam(
             eps=epsilon / correction_2**0.5,
             amsgrad=False,
             maximize=False,
+            grad_scale=grad_scale,
         )
+    # The kernels write in place without bumping the tensors' version
+    # counters, which caches of derived weights (`torch_ops.PackedWeightCache`)
+    # read to see a change.
+    increment_versions(variables)
     return True
+
+
+def increment_versions(tensors):
+    """Marks `tensors` as changed in place (their `_version` advances)."""
+    for tensor in tensors:
+        torch.autograd.graph.increment_version(tensor)
 
 
 @contextlib.contextmanager

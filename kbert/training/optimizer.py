@@ -55,6 +55,24 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
         }
 
 
+def _multi_tensor(present):
+    return (
+        backend.is_torch() and bool(present) and all(g.dtype == present[0].dtype for g in present)
+    )
+
+
+def global_clip_scale(grads, clip):
+    """clip / max(norm, clip) for the global norm of `grads` (None entries
+    skipped), a float32 scalar; NaN for a non-finite norm."""
+    present = [g for g in grads if g is not None]
+    if _multi_tensor(present):
+        norm = torch_ops.global_norm(present)
+    else:
+        norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
+    scale = clip / (ops.relu(norm - clip) + clip)  # = clip / max(norm, clip)
+    return scale + (norm - norm)  # inf - inf and NaN - NaN are NaN: poison a non-finite norm
+
+
 def clip_by_global_norm(grads, clip):
     """g * clip / max(norm, clip), NaN for a non-finite norm (as Keras).
 
@@ -64,15 +82,8 @@ def clip_by_global_norm(grads, clip):
     the norms and the scaling are one multi-tensor kernel each.
     """
     present = [g for g in grads if g is not None]
-    multi_tensor = (
-        backend.is_torch() and bool(present) and all(g.dtype == present[0].dtype for g in present)
-    )
-    if multi_tensor:
-        norm = torch_ops.global_norm(present)
-    else:
-        norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
-    scale = clip / (ops.relu(norm - clip) + clip)  # = clip / max(norm, clip)
-    scale = scale + (norm - norm)  # inf - inf and NaN - NaN are NaN: poison a non-finite norm
+    multi_tensor = _multi_tensor(present)
+    scale = global_clip_scale(grads, clip)
     if multi_tensor:
         scaled = iter(torch_ops.scale_all(present, scale))
         return [None if g is None else next(scaled) for g in grads]
@@ -91,6 +102,10 @@ class ReplicaExactClipping(keras_internals.OptimizerShims):
         summed = tf_backend.clip_summed(grads, clip)
         return summed if summed is not None else clip(grads)
 
+    def clip_scale(self, grads):
+        """The factor `clip_gradients` multiplies every gradient by."""
+        return global_clip_scale(grads, self.global_clipnorm)
+
 
 @keras.saving.register_keras_serializable(package="kbert")
 class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
@@ -107,6 +122,11 @@ class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
         super().__init__(*args, **kwargs)
         if backend.is_torch():
             torch_step.count_in_place(keras_internals.iterations_variable(self))
+
+    def defers_clipping(self):
+        """On torch, in kbert's training step (whose gradients are its own):
+        the update scales the gradients, in the fused CPU pass where it runs."""
+        return backend.is_torch() and torch_step.owns_gradients()
 
     def parallel_update(self, grads, variables, learning_rate):
         """The multi-tensor update Keras' torch optimizer calls."""

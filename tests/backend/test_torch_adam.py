@@ -1,5 +1,7 @@
 """kbert's torch Adam update: torch's fused CPU kernel computes Keras' Adam."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ pytestmark = [
 ]
 
 
-def _train(monkeypatch, fused, steps=12, optimizer_class=None, weight_decay=0.01):
+def _train(monkeypatch, fused, steps=12, optimizer_class=None, weight_decay=0.01, own=False):
     import torch
 
     from kbert.backend import keras_internals, torch_step
@@ -36,9 +38,10 @@ def _train(monkeypatch, fused, steps=12, optimizer_class=None, weight_decay=0.01
         ran = original(*args, **kwargs) if fused else False
         calls.append(ran)
         decays.append(kwargs.get("weight_decay"))
+        scales.append(kwargs.get("clip_scale"))
         return ran
 
-    decays, separate = [], []
+    decays, separate, scales = [], [], []
     apply_now = keras_internals.OptimizerShims.apply_weight_decay_now
     monkeypatch.setattr(
         AdamW,
@@ -57,8 +60,9 @@ def _train(monkeypatch, fused, steps=12, optimizer_class=None, weight_decay=0.01
     for step in range(steps):
         scale = 1e-3 if step % 2 else 1.0  # steps where epsilon matters
         grads = [torch.tensor(rng.normal(size=s).astype("float32") * scale) for s in shapes]
-        optimizer.apply(grads, variables)
-    calls.decays, calls.separate = decays, separate
+        with torch_step.own_gradients() if own else contextlib.nullcontext():
+            optimizer.apply(grads, variables)
+    calls.decays, calls.separate, calls.scales = decays, separate, scales
     return [v.numpy() for v in variables], calls
 
 
@@ -90,6 +94,27 @@ def test_weight_decay_runs_in_the_fused_pass_with_keras_arithmetic(monkeypatch):
     assert np.abs(fused[0] / undecayed[0] - 1).max() > 5e-4  # decayed
 
 
+def test_clipping_in_the_training_step_runs_in_the_fused_pass(monkeypatch):
+    """In kbert's training step (its own gradients), the global-norm
+    clipping scale multiplies the gradients inside the fused kernel (no
+    separate pass); without the kernel, as its own pass. Both give Keras'
+    AdamW with Keras' clipping. Outside the step, gradients given to
+    `apply` are not scaled in place."""
+    fused, ran = _train(monkeypatch, fused=True, own=True)
+    foreach, declined = _train(monkeypatch, fused=False, own=True)
+    keras_adamw, _ = _train(monkeypatch, fused=False, optimizer_class=keras.optimizers.AdamW)
+    outside, outside_calls = _train(monkeypatch, fused=True)
+    assert all(ran) and not any(declined)
+    assert all(scale is not None for scale in ran.scales)
+    assert all(scale is None for scale in outside_calls.scales)
+    clipped = [float(scale) < 1 for scale in ran.scales]
+    assert any(clipped) and not all(clipped)  # steps of large and of small gradients
+    for a, b, c, d in zip(fused, foreach, keras_adamw, outside):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(d, c, rtol=1e-5, atol=1e-6)
+
+
 def test_cpu_fused_adam_declines_what_it_cannot_take():
     import torch
 
@@ -106,5 +131,42 @@ def test_cpu_fused_adam_declines_what_it_cannot_take():
     assert not torch_step.cpu_fused_adam(square, zeros, zeros, zeros, lr, step, 0.9, 0.999, 1e-7)
     assert not torch_step.cpu_fused_adam([x], [g], [m], [v], lr, step, beta_1, 0.999, 1e-7)
     assert x.tolist() == [1.0, 1.0, 1.0] and m.tolist() == [0.0, 0.0, 0.0]
+    version = x._version
     assert torch_step.cpu_fused_adam([x], [g], [m], [v], lr, step, 0.9, 0.999, 1e-7)
     assert x.tolist() != [1.0, 1.0, 1.0]
+    # changed in place, and seen as changed by caches of derived weights
+    assert x._version > version
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_predictions_after_fit_use_the_updated_weights(weight_decay):
+    """The fused kernel updates the weights in place; inference on a CPU
+    multiplies by a cached oneDNN copy of each kernel, which must see the
+    update (with or without weight decay): a model's predictions after
+    `fit` equal those of a fresh model given its weights."""
+    import kbert
+    from kbert.training.optimizer import create_optimizer
+    from tests.harness import TINY
+
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(1, TINY["vocabulary_size"], (16, 8)).astype("int32"),
+        "segment_ids": np.zeros((16, 8), "int32"),
+        "padding_mask": np.ones((16, 8), "int32"),
+    }
+    y = rng.integers(0, 2, 16)
+
+    def classifier():
+        keras.utils.set_random_seed(0)
+        return kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
+
+    model = classifier()
+    model.predict(x, verbose=0)  # caches the packed kernels
+    optimizer = create_optimizer(1e-2, 100, 0, weight_decay=weight_decay)
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    fresh = classifier()
+    fresh.set_weights(model.get_weights())
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), fresh.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )

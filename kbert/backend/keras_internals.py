@@ -180,6 +180,7 @@ class OptimizerShims:
             super()._apply_weight_decay(variables)
 
     def _clip_gradients(self, grads):
+        self.take_deferred_clip_scale()  # one left by an interrupted step
         if not self.global_clipnorm:
             return super()._clip_gradients(grads)
         if self.defers_clipping():

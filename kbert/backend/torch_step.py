@@ -29,6 +29,7 @@ in place. Figures: `benchmarks/RESULTS.md`.
 """
 
 import contextlib
+import threading
 import types
 import warnings
 
@@ -165,24 +166,24 @@ def _train_step(model, data):
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-_OWN_GRADIENTS = [False]
+_OWN_GRADIENTS = threading.local()
 
 
 @contextlib.contextmanager
 def own_gradients():
-    """Within the block the gradients given to the optimizer are the step's
-    own (`.grad` tensors set to None before each backward pass): its update
-    may scale them in place (see `adam_update`)."""
-    before = _OWN_GRADIENTS[0]
-    _OWN_GRADIENTS[0] = True
+    """Within the block (in this thread) the gradients given to the
+    optimizer are the step's own (`.grad` tensors set to None before each
+    backward pass): its update may scale them in place (see `adam_update`)."""
+    before = owns_gradients()
+    _OWN_GRADIENTS.on = True
     try:
         yield
     finally:
-        _OWN_GRADIENTS[0] = before
+        _OWN_GRADIENTS.on = before
 
 
 def owns_gradients():
-    return _OWN_GRADIENTS[0]
+    return getattr(_OWN_GRADIENTS, "on", False)
 
 
 class InPlaceCounter:
@@ -208,6 +209,14 @@ def adam_update(optimizer, grads, variables, learning_rate):
     """Keras' multi-tensor torch Adam update with the step count and bias
     corrections computed on the device: one Triton kernel per variable on a
     GPU (`kbert.backend.torch_triton`), `torch._foreach_*` passes elsewhere."""
+    # Keras' decoupled weight decay and kbert's clipping scale, deferred to
+    # here (`defers_weight_decay`, `defers_clipping`), taken first: nothing
+    # of this step may reach a later one
+    decayed = []
+    if getattr(optimizer, "defers_weight_decay", False):
+        decayed = optimizer.take_deferred_decay(variables)
+    take_scale = getattr(optimizer, "take_deferred_clip_scale", None)
+    clip_scale = take_scale() if take_scale is not None else None
     m_list, v_list, v_hat_list = keras_internals.adam_slots(optimizer, variables)
     keras_variables = variables
     variables = [keras_internals.torch_value(v) for v in variables]
@@ -215,16 +224,12 @@ def adam_update(optimizer, grads, variables, learning_rate):
     lr = keras.ops.cast(learning_rate, dtype)
     # Tensor-with-number arithmetic passes the number as a kernel argument:
     # no host-to-device copy, unlike ops.cast(python_float).
-    local_step = optimizer.iterations.value.to(dtype) + 1
+    count = optimizer.iterations  # a derived tensor under gradient accumulation
+    local_step = getattr(count, "value", count).to(dtype) + 1
     beta_1_power = torch.pow(optimizer.beta_1, local_step)
     beta_2_power = torch.pow(optimizer.beta_2, local_step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     betas = (optimizer.beta_1, optimizer.beta_2)
-    # Keras' decoupled weight decay and kbert's clipping scale, deferred to
-    # here (`defers_weight_decay`, `defers_clipping`)
-    defers = getattr(optimizer, "defers_weight_decay", False)
-    decayed = optimizer.take_deferred_decay(keras_variables) if defers else []
-    clip_scale = optimizer.take_deferred_clip_scale() if defers else None
     decayed_ids = {id(v) for v in decayed}
     decay = [id(v) in decayed_ids for v in keras_variables]
     if v_hat_list is None and cpu_fused_adam(

@@ -45,6 +45,8 @@ def test_private_methods_have_the_expected_signatures():
     optimizer = keras.optimizers.AdamW
     assert parameters(optimizer._clip_gradients) == ["self", "grads"]
     assert parameters(optimizer._get_variable_index) == ["self", "variable"]
+    assert parameters(optimizer._apply_weight_decay) == ["self", "variables"]
+    assert parameters(optimizer._use_weight_decay) == ["self", "variable"]
 
 
 def test_private_state_of_a_compiled_model_and_its_optimizer():

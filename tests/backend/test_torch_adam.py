@@ -170,3 +170,64 @@ def test_predictions_after_fit_use_the_updated_weights(weight_decay):
     np.testing.assert_allclose(
         model.predict(x, verbose=0), fresh.predict(x, verbose=0), rtol=1e-5, atol=1e-6
     )
+
+
+def test_an_interrupted_update_leaves_nothing_to_later_steps(monkeypatch):
+    """A step that fails between Keras' clipping hook and the update (its
+    deferred scale and decay never applied) does not change the updates
+    that follow, outside kbert's step or in it; gradients given to `apply`
+    outside the step come back unchanged."""
+    import torch
+
+    from kbert.backend import torch_step
+    from kbert.training.optimizer import AdamW
+
+    def run(interrupt):
+        rng = np.random.default_rng(0)
+        variables = [keras.Variable(rng.normal(size=(4, 3)).astype("float32"))]
+        optimizer = AdamW(learning_rate=1e-2, weight_decay=0.01, global_clipnorm=1.0)
+        optimizer.build(variables)
+        if interrupt:  # fails once the hooks have run, before the update
+
+            def fail(*args):
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(optimizer, "take_deferred_decay", fail)
+            with pytest.raises(KeyboardInterrupt), torch_step.own_gradients():
+                optimizer.apply([torch.full((4, 3), 5.0)], variables)
+            monkeypatch.undo()
+        for step in range(4):
+            grads = [torch.tensor(rng.normal(size=(4, 3)).astype("float32") * 3)]
+            given = grads[0].clone()
+            with torch_step.own_gradients() if step % 2 else contextlib.nullcontext():
+                optimizer.apply(grads, variables)
+            if not step % 2:
+                torch.testing.assert_close(grads[0], given, rtol=0, atol=0)
+        return variables[0].numpy()
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-6)
+
+
+def test_gradient_accumulation_matches_keras():
+    """With `gradient_accumulation_steps`, the update (fused on a CPU) is
+    Keras' AdamW's: one step per accumulated group."""
+    import torch
+
+    from kbert.training.optimizer import AdamW
+
+    def run(cls):
+        rng = np.random.default_rng(0)
+        variables = [keras.Variable(rng.normal(size=(4, 3)).astype("float32"))]
+        optimizer = cls(
+            learning_rate=1e-2,
+            weight_decay=0.01,
+            global_clipnorm=1.0,
+            gradient_accumulation_steps=2,
+        )
+        for _ in range(6):
+            optimizer.apply([torch.tensor(rng.normal(size=(4, 3)).astype("float32"))], variables)
+        return variables[0].numpy(), int(optimizer.iterations)
+
+    (ours, steps), (keras_adamw, keras_steps) = run(AdamW), run(keras.optimizers.AdamW)
+    assert steps == keras_steps == 3
+    np.testing.assert_allclose(ours, keras_adamw, rtol=1e-5, atol=1e-6)

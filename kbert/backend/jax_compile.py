@@ -86,9 +86,11 @@ def plan(model, steps, kinds, replace=True):
     `replace=False`, only those not planned yet."""
     if not backend.is_jax():
         return
-    options = step_options(model, steps)
-    for kind in kinds:
-        if replace or not keras_internals.step_compiler_options_planned(model, kind):
+    if not replace:
+        kinds = [k for k in kinds if not keras_internals.step_compiler_options_planned(model, k)]
+    if kinds:
+        options = step_options(model, steps)
+        for kind in kinds:
             keras_internals.plan_step_compiler_options(model, kind, options)
 
 

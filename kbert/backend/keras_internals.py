@@ -169,10 +169,10 @@ class OptimizerShims:
         object.__setattr__(self, "_kbert_deferred_decay", ids)
 
     def take_deferred_decay(self, variables):
-        """Those of `variables` whose decay Keras left to this update (and
-        forgets them)."""
+        """For each of `variables`, whether Keras left its decay to this
+        update (and forgets them)."""
         ids = self.__dict__.pop("_kbert_deferred_decay", frozenset())
-        return [v for v in variables if id(v) in ids]
+        return [id(v) in ids for v in variables]
 
     def apply_weight_decay_now(self, variables):
         """Keras' decoupled weight decay of `variables` (all to be decayed)."""

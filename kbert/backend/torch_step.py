@@ -212,9 +212,9 @@ def adam_update(optimizer, grads, variables, learning_rate):
     # Keras' decoupled weight decay and kbert's clipping scale, deferred to
     # here (`defers_weight_decay`, `defers_clipping`), taken first: nothing
     # of this step may reach a later one
-    decayed = []
+    decay = [False] * len(variables)
     if getattr(optimizer, "defers_weight_decay", False):
-        decayed = optimizer.take_deferred_decay(variables)
+        decay = optimizer.take_deferred_decay(variables)
     take_scale = getattr(optimizer, "take_deferred_clip_scale", None)
     clip_scale = take_scale() if take_scale is not None else None
     m_list, v_list, v_hat_list = keras_internals.adam_slots(optimizer, variables)
@@ -230,8 +230,6 @@ def adam_update(optimizer, grads, variables, learning_rate):
     beta_2_power = torch.pow(optimizer.beta_2, local_step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     betas = (optimizer.beta_1, optimizer.beta_2)
-    decayed_ids = {id(v) for v in decayed}
-    decay = [id(v) in decayed_ids for v in keras_variables]
     if v_hat_list is None and cpu_fused_adam(
         variables,
         grads,
@@ -247,7 +245,7 @@ def adam_update(optimizer, grads, variables, learning_rate):
         return  # one pass over each variable on a CPU, decay and clipping included
     if clip_scale is not None:
         grads = torch_ops.scale_all(grads, clip_scale)
-    optimizer.apply_weight_decay_now(decayed)
+    optimizer.apply_weight_decay_now([v for v, d in zip(keras_variables, decay) if d])
     if v_hat_list is None and torch_triton.adam_update(
         variables, grads, m_list, v_list, alpha, *betas, optimizer.epsilon
     ):

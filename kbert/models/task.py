@@ -489,22 +489,22 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         super().compile(optimizer=optimizer, **kwargs)
 
-    # A step made without a plan (train_on_batch, ...) runs an unknown
-    # number of times: `jax_compile.step_options(self, None)`.
     def make_train_function(self, force=False):
-        jax_compile.plan(self, None, ("train",), replace=False)
-        with keras_internals.jax_jit_options(self, "train"):
-            return super().make_train_function(force)
+        return self._make_step(super().make_train_function, "train", force)
 
     def make_test_function(self, force=False):
-        jax_compile.plan(self, None, ("test",), replace=False)
-        with keras_internals.jax_jit_options(self, "test"):
-            return super().make_test_function(force)
+        return self._make_step(super().make_test_function, "test", force)
 
     def make_predict_function(self, force=False):
-        jax_compile.plan(self, None, ("predict",), replace=False)
-        with keras_internals.jax_jit_options(self, "predict"):
-            return super().make_predict_function(force)
+        return self._make_step(super().make_predict_function, "predict", force)
+
+    def _make_step(self, make, kind, force):
+        """Keras' `make_*_function` with the planned compiler options; a
+        step made without a plan (train_on_batch, ...) runs an unknown
+        number of times: `jax_compile.step_options(self, None)`."""
+        jax_compile.plan(self, None, (kind,), replace=False)
+        with keras_internals.jax_jit_options(self, kind):
+            return make(force)
 
     def train_step(self, *args, **kwargs):
         if backend.is_torch() and torch_step.runs_our_step(self):

@@ -1,6 +1,8 @@
 """Length-bucketed fit / evaluate / predict equal fixed-length padding, see
 every example once per epoch in a seeded order, and make few shapes."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -316,22 +318,18 @@ def _cuda():
     return torch.cuda.is_available()
 
 
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
-def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
-    """On a GPU or TPU (forced here on the CPU), a JAX `fit` compiles every
-    shape of its training and validation batches in background threads when
-    it starts. The steps then run those executables: Keras compiles none of
-    them again, and the training is the same as without."""
+@contextlib.contextmanager
+def step_compiles():
+    """Within the block, the list of the threads that finish an XLA
+    compilation of a Keras step (one name per compilation)."""
     import logging
     import threading
 
     import jax
 
-    from kbert.backend import jax_compile
-
     compiles = []
 
-    class Steps(logging.Handler):  # XLA compilations of the steps, by thread
+    class Steps(logging.Handler):
         def emit(self, record):
             text = record.getMessage()
             if text.startswith("Finished XLA compilation") and "_step)" in text:
@@ -340,9 +338,24 @@ def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
     handler, logger = Steps(), logging.getLogger("jax")
     logger.addHandler(handler)
     jax.config.update("jax_log_compiles", True)
+    try:
+        yield compiles
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
+    """On a GPU or TPU (forced here on the CPU), a JAX `fit` compiles every
+    shape of its training and validation batches in background threads when
+    it starts. The steps then run those executables: Keras compiles none of
+    them again, and the training is the same as without."""
+    from kbert.backend import jax_compile
+
     monkeypatch.setattr(batching, "packing_pays", lambda batches: False)  # as on a GPU
     histories, counts = [], []
-    try:
+    with step_compiles() as compiles:
         for ahead in (False, True):
             monkeypatch.setattr(jax_compile, "enabled", lambda ahead=ahead: ahead)
             model, x, y, _ = task("classifier")
@@ -385,9 +398,6 @@ def test_jax_compiles_the_shapes_of_a_fit_ahead(monkeypatch):
             bucket_lengths=T,
         )
         counts.append(list(compiles))
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(handler)
     assert counts[0] == ["MainThread"] * 3  # two training steps, one validation step
     for ahead in counts[1], counts[3]:
         assert len(ahead) == 3 and all(name.startswith("kbert-compile") for name in ahead)
@@ -480,30 +490,15 @@ def test_jax_steps_and_their_ahead_compiled_programs_take_the_planned_options(
     ahead carry them too: the steps run those (Keras compiles none on the
     main thread). The numbers are those of a `fit` without options. A step
     Keras has made keeps its options and programs."""
-    import logging
     import os
-    import threading
-
-    import jax
 
     from kbert.backend import jax_compile, keras_internals
 
     dump = tmp_path / "xla"
-    compiles = []
-
-    class Steps(logging.Handler):
-        def emit(self, record):
-            text = record.getMessage()
-            if text.startswith("Finished XLA compilation") and "_step)" in text:
-                compiles.append(threading.current_thread().name)
-
-    handler, logger = Steps(), logging.getLogger("jax")
-    logger.addHandler(handler)
-    jax.config.update("jax_log_compiles", True)
     monkeypatch.setattr(jax_compile, "enabled", lambda: True)
     monkeypatch.setattr(batching, "packing_pays", lambda batches: False)
     histories = []
-    try:
+    with step_compiles() as compiles:
         for options in (None, {"xla_dump_to": str(dump)}):
             # the options of calls of 3 steps or more: fit's (3 training
             # steps), not its validation's alone (2 batches)
@@ -524,9 +519,6 @@ def test_jax_steps_and_their_ahead_compiled_programs_take_the_planned_options(
         assert len(compiles) == 3 and all(name.startswith("kbert-compile") for name in compiles)
         assert keras_internals.step_compiler_options(model, "train") == {"xla_dump_to": str(dump)}
         model.predict(train, batch_size=4)
-    finally:
-        jax.config.update("jax_log_compiles", False)
-        logger.removeHandler(handler)
     files = os.listdir(dump)
     for step in ("train_step", "test_step", "predict_step"):
         assert any(step in name for name in files), step

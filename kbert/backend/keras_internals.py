@@ -102,7 +102,24 @@ class TrainerShims:
     a second time (seconds of a short `fit` on a CPU): the optimizer is
     built here then too, in the default strategy's scope, with the
     variables the trace would have made.
+
+    `__setattr__`: see `UNTRACKED`.
     """
+
+    # `_jax_state` (JAXTrainer, 3.12-3.15): Keras' JAX `fit`, `evaluate` and
+    # `predict` set it after every step to a dict of the step's state (for
+    # BERT-base some 600 arrays), and `Layer.__setattr__` runs its tracker
+    # over the whole structure each time: 4 ms a step on a 2-core CPU, time
+    # the host then lacks to keep a GPU busy. The state holds arrays only,
+    # nothing to track, so it is stored as a plain attribute. Can go when
+    # Keras stores it untracked.
+    UNTRACKED = frozenset({"_jax_state", "_jax_state_synced"})
+
+    def __setattr__(self, name, value):
+        if name in TrainerShims.UNTRACKED and not keras.config.is_nnx_enabled():
+            object.__setattr__(self, name, value)
+            return
+        super().__setattr__(name, value)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         layers_built = all(layer.built for layer in self._flatten_layers())

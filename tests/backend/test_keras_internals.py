@@ -235,6 +235,35 @@ def test_jax_loop_state_that_the_error_shim_restores():
     assert any(np.abs(a - b).max() > 0 for a, b in zip(after, before))  # the step's progress kept
 
 
+def test_jax_step_state_set_without_tracking():
+    """Keras' JAX loop stores each step's state in `_jax_state`; a kbert task
+    keeps it a plain dict (Keras' tracker walked all of it every step), and
+    a callback can still sync the model's variables from it."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX trainer only")
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
+    model.compile(optimizer="sgd")
+    x = {
+        "token_ids": np.ones((4, 4), "int32"),
+        "segment_ids": np.zeros((4, 4), "int32"),
+        "padding_mask": np.ones((4, 4), "int32"),
+    }
+    before = keras.ops.convert_to_numpy(model.trainable_variables[-1])
+    seen = []
+
+    class Peek(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(type(self.model._jax_state))
+            self.model.jax_state_sync()
+            seen.append(keras.ops.convert_to_numpy(self.model.trainable_variables[-1]))
+
+    model.fit(x, np.array([0, 1, 0, 1]), batch_size=2, verbose=0, callbacks=[Peek()])
+    assert seen[0] is dict and seen[2] is dict
+    assert np.abs(seen[1] - before).max() > 0  # the first step's update, synced
+    assert np.abs(seen[3] - seen[1]).max() > 0
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(model.trainable_variables[-1]), seen[3])
+
+
 def test_torch_parameters_retracked_after_quantizing_single_layers():
     from kbert.layers import Dense
 

@@ -154,6 +154,32 @@ def test_dropout_and_key_permutation_differentiate_inside_lax_scan():
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the hashed bits are JAX's")
+def test_dropout_bits_hash_each_flat_index():
+    """`dropout_bits` is the keyed hash of each element's row-major flat
+    index: a numpy lowbias32 of the same index gives the same bits, with
+    the single-iota index and with the per-axis one it keeps for arrays of
+    2^32 elements or more."""
+    from kbert.backend import jax_ops
+
+    def mix(x):
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+    shape, seed = (3, 5, 7), np.array([11, 29], "uint32")
+    with np.errstate(over="ignore"):
+        k0 = mix(seed[0] ^ np.uint32(0x9E3779B9))
+        k1 = mix(seed[1] + np.uint32(0x85EBCA6B))
+        want = mix(mix(np.arange(105, dtype="uint32").reshape(shape) ^ k0) + k1)
+    np.testing.assert_array_equal(np.asarray(jax_ops.dropout_bits(shape, seed)), want)
+    for limit in (2**32, 0):  # the single iota, and the per-axis index
+        index = np.asarray(jax_ops._flat_index(shape, iota_limit=limit))
+        np.testing.assert_array_equal(index, np.arange(105, dtype="uint32").reshape(shape))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the hashed bits are JAX's")
 def test_dropout_bits_are_uniform_and_uncorrelated():
     """What dropout needs from `dropout_bits`: uniform bits, and keep masks
     uncorrelated between neighbouring elements, neighbouring rows and

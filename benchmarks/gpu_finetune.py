@@ -205,6 +205,10 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
     stats = getattr(model, "cuda_graph_stats", None)
     if stats:
         result["cuda_graph"] = stats
+    if keras.backend.backend() == "jax":
+        from kbert.backend import jax_compile
+
+        result["first_program_steps"] = jax_compile.first_program_steps(model)
     if task == "sst2":
         sample = texts[: args.predict]
         for name in ("predict_first", "predict_again"):

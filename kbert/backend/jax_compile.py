@@ -26,6 +26,18 @@ some 10,000 to 15,000 steps of that program. `step_options` leaves it
 out of the programs of runs of fewer than `AUTOTUNE_MIN_STEPS` steps
 (`Task.compile(autotune=...)`).
 
+A training program takes 10 to 13 s to compile even so, about 1.5 s per
+encoder block, while the GPU waits. So the first training shape is also
+compiled, first, as a program of the same step with the blocks run as one
+`lax.scan` over their stacked weights (`BertBackbone.call` under
+`layers_in_loop()`): XLA compiles one block instead of twelve (BERT-base
+on an H200: 6 s against 11 s), and its steps cost more (9.0 against
+6.7 ms), so the steps run it only until the step's own program is ready
+(`FirstPrograms`). Both compute the same step; the state passes from one
+to the other. Only for programs compiled without autotuning (which times
+candidate kernels on the GPU that the first program's steps would be
+using) and backbones whose blocks can loop (`loops_layers`).
+
 Only for batches whose shapes are known in advance (kbert's length
 buckets on host arrays), with the step jitted (not `run_eagerly`, not
 `jit_compile=False`, not under NNX), without a `keras.distribution`
@@ -33,6 +45,7 @@ buckets on host arrays), with the step jitted (not `run_eagerly`, not
 list (a `CallbackList` is used as given).
 """
 
+import contextlib
 import functools
 import threading
 import warnings
@@ -64,6 +77,25 @@ FAST_COMPILE_OPTIONS = {
 }
 
 
+# Set in a thread while it traces a step's first program: the backbone
+# runs its blocks as one loop (`BertBackbone.call`).
+_LOOP = threading.local()
+
+
+def layers_in_loop():
+    """Whether the step this thread traces runs the encoder blocks in a loop."""
+    return getattr(_LOOP, "on", False)
+
+
+@contextlib.contextmanager
+def _tracing_layers_in_loop():
+    _LOOP.on = True
+    try:
+        yield
+    finally:
+        _LOOP.on = False
+
+
 def step_options(model, steps):
     """XLA compiler options for `model`'s step programs in a call that runs
     about `steps` steps (None: unknown, e.g. a `tf.data` dataset): without
@@ -92,6 +124,97 @@ def plan(model, steps, kinds, replace=True):
         options = step_options(model, steps)
         for kind in kinds:
             keras_internals.plan_step_compiler_options(model, kind, options)
+
+
+# Whether a `fit` runs its first steps on a program with the encoder
+# blocks in a loop while the step's own program compiles (module doc).
+FIRST_PROGRAMS = True
+
+
+def _shapes(data):
+    """The shapes of a batch's arrays: which program of a step runs it."""
+    import jax
+
+    return tuple(tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(data))
+
+
+class FirstPrograms:
+    """Keras' jitted training step (`step`), which runs a batch on the
+    programs `AheadCompiler` compiled for its shapes (`programs`: shapes ->
+    (future of the loop program or None, future of the step's own)): the
+    step's own once compiled (Keras' jit would trace the step again, for
+    seconds, to find it), until then the loop program."""
+
+    def __init__(self, step):
+        self.step = step
+        self.programs = {}
+        self.steps_run = 0  # steps run on a loop program
+
+    def __call__(self, state, data):
+        if self.programs:
+            entry = self.programs.get(_shapes(data))
+            if entry is not None:
+                loop, own = entry
+                if _succeeded(own):
+                    return own.result()(state, data)
+                if loop is not None and _succeeded(loop):
+                    self.steps_run += 1
+                    return loop.result()(state, data)
+        return self.step(state, data)
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
+def _succeeded(future):
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+# model -> its `FirstPrograms` (the training step Keras holds)
+_FIRST = weakref.WeakKeyDictionary()
+
+
+def first_programs_apply(model, kind):
+    """Whether `model`'s `kind` step runs first programs: training steps of
+    a `fit` that compiles ahead (`enabled`), without autotuning, of a model
+    whose backbone can loop its blocks."""
+    if kind != "train" or not FIRST_PROGRAMS or not enabled():
+        return False
+    options = keras_internals.step_compiler_options(model, "train")
+    backbone = getattr(model, "backbone", None)
+    loops = getattr(backbone, "loops_layers", None)
+    return bool(options) and options.get("xla_gpu_autotune_level") == 0 and bool(loops and loops())
+
+
+def first_program_steps(model):
+    """How many training steps of `model` ran on a loop program, or None
+    where its step has no first programs."""
+    programs = _FIRST.get(model)
+    return None if programs is None else programs.steps_run
+
+
+def first_programs_wrapper(model, kind):
+    """For `Task._make_step`: a function wrapping Keras' jitted `kind` step
+    in a `FirstPrograms` (recorded for the model), or None."""
+    if not first_programs_apply(model, kind):
+        _FIRST.pop(model, None)
+        return None
+
+    def wrap(step):
+        _FIRST[model] = FirstPrograms(step)
+        return _FIRST[model]
+
+    return wrap
+
+
+def _loop_step(train_step):
+    """A function of its own for the loop program: JAX caches traces by
+    function, and this one is traced with `layers_in_loop()` on."""
+
+    def step(state, data):
+        return train_step(state, data)
+
+    return step
 
 
 # The programs each model's jitted Keras steps have run: model -> {kind:
@@ -192,6 +315,9 @@ class AheadCompiler(keras.callbacks.Callback):
         self.trace_lock = threading.Lock()  # the model is traced by one thread at a time
         self.first_traced = threading.Event()
         self.warned = False
+        self.first = None  # the model's FirstPrograms, when it has first programs
+        self.first_pending = {}  # (step kind, shape key) -> Future of its loop program
+        self.shapes = {}  # (step kind, shape key) -> its batches' `_shapes`
 
     def _submit(self, kind, batches, lead=False):
         """Compiles each shape of `batches` not compiled yet for the `kind`
@@ -224,18 +350,60 @@ class AheadCompiler(keras.callbacks.Callback):
                 first = lead and not self.first_traced.is_set() and not self.pending
                 job = functools.partial(compile_shape, _spec(batches[index]), first)
                 self.pending[key] = self.pool.submit(job)
+                self.shapes[key] = _shapes(batches[index])
         if not self.pending:
             self.first_traced.set()
 
+    def _submit_first(self, batches):
+        """Compiles the loop program of the first batch's shape, tracing
+        before anything else; True if it did."""
+        first = _FIRST.get(self.model)
+        if first is None or not len(batches) or not first_programs_apply(self.model, "train"):
+            return False
+        self.first = first
+        key = ("train", batches.shape_key(0))
+        if key in self.pending or self._ran_key(key) in ran_shapes(self.model, "train"):
+            return False
+        options = keras_internals.step_compiler_options(self.model, "train")
+        import jax
+
+        loop = _loop_step(self.model.train_step)
+        step = jax.jit(loop, donate_argnums=0, compiler_options=options)
+        state = keras_internals.jax_step_state(self.model, "train")
+
+        def compile_loop(spec):
+            try:
+                with self.trace_lock, _tracing_layers_in_loop():
+                    lowered = step.lower(state, spec)
+            finally:
+                self.first_traced.set()
+            return lowered.compile()
+
+        self.first_pending[key] = self.pool.submit(compile_loop, _spec(batches[0]))
+        return True
+
     def on_train_begin(self, logs=None):
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
-        self._submit("train", self.batches, lead=True)
+        if len(self.batches) and "train" not in self.structure:
+            self.structure["train"] = _structure(self.batches[0])
+        first = self._submit_first(self.batches)
+        self._submit("train", self.batches, lead=not first)
+        self._offer("train")
         if self.validation is not None:
             self._submit("test", self.validation)
+
+    def _offer(self, kind):
+        """Gives the model's `FirstPrograms` the `kind` programs compiling."""
+        if self.first is None:
+            return
+        for key, own in self.pending.items():
+            if key[0] == kind and key in self.shapes:
+                self.first.programs[self.shapes[key]] = (self.first_pending.get(key), own)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.pool is not None:  # shapes a new shuffle of the batches brings
             self._submit("train", self.batches)
+            self._offer("train")
 
     def _wait(self, kind, key):
         future = self.pending.get((kind, key))
@@ -244,12 +412,7 @@ class AheadCompiler(keras.callbacks.Callback):
         try:
             future.result()
         except Exception as error:  # Keras compiles the shape itself
-            if not self.warned:
-                self.warned = True
-                warnings.warn(
-                    f"kbert: compiling a step shape ahead failed ({type(error).__name__}: "
-                    f"{str(error)[:200]}); Keras compiles each shape when it first runs."
-                )
+            self._warn(error)
 
     def _ran_key(self, key):
         """What identifies a program of Keras' `kind` step: the batch
@@ -269,8 +432,27 @@ class AheadCompiler(keras.callbacks.Callback):
         self.running[kind] = []
         for index in range(first, min(first + count, len(batches))):
             key = (kind, batches.shape_key(index))
-            self._wait(*key)
+            loop, own = self.first_pending.get(key), self.pending.get(key)
+            if loop is None or own is None or own.done() or not self._ready(loop):
+                self._wait(*key)  # the step's own program
             self.running[kind].append(key)
+
+    def _ready(self, future):
+        """Waits for a loop program; whether it compiled."""
+        try:
+            future.result()
+            return True
+        except Exception as error:
+            self._warn(error)
+            return False
+
+    def _warn(self, error):
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"kbert: compiling a step shape ahead failed ({type(error).__name__}: "
+                f"{str(error)[:200]}); Keras compiles each shape when it first runs."
+            )
 
     def on_train_batch_begin(self, batch, logs=None):
         self._wait_range("train", self.batches, batch)
@@ -290,8 +472,10 @@ class AheadCompiler(keras.callbacks.Callback):
         """Cancels the compilations not started and waits for the running."""
         self.first_traced.set()  # a cancelled first trace must not hold the others
         if self.pool is not None:
-            for future in self.pending.values():
+            for future in [*self.first_pending.values(), *self.pending.values()]:
                 future.cancel()
             self.pool.shutdown(wait=True)
             self.pool = None
-        self.pending, self.steps = {}, {}
+        if self.first is not None:  # the steps' own programs are compiled now
+            self.first.programs.clear()
+        self.pending, self.steps, self.first_pending = {}, {}, {}

@@ -122,6 +122,36 @@ def cudnn_attention(query, key, value, keep, scale, implementation="cudnn"):
     )
 
 
+def blocks_in_loop(blocks, x, padding_mask, training):
+    """`x` through `blocks` (layers of one structure, each with its own
+    weights) as one `lax.scan` over their stacked weights: XLA compiles
+    one block instead of L (see `kbert.backend.jax_compile`). Each block's
+    non-trainable state (its dropout generators) is used and advanced as
+    when the blocks run one after the other, so the outputs are the same."""
+    from kbert.backend import keras_internals
+
+    first = blocks[0]
+    trainable, rest = first.trainable_variables, first.non_trainable_variables
+    own = trainable + rest
+    per_block = [
+        keras_internals.current_values(b.trainable_variables + b.non_trainable_variables)
+        for b in blocks
+    ]
+    stacked = [jnp.stack(values) for values in zip(*per_block)]
+
+    def body(h, weights):
+        with keras_internals.variables_bound(own, weights) as value_of:
+            y = first(h, padding_mask, training=training)
+            advanced = [value_of(v) for v in rest]
+        return y, [w if a is None else a for w, a in zip(weights[len(trainable) :], advanced)]
+
+    x, states = jax.lax.scan(body, x, stacked)
+    for i, block in enumerate(blocks):
+        for variable, state in zip(block.non_trainable_variables, states):
+            variable.assign(state[i])
+    return x
+
+
 def _permute_keys(x, order, inverse):
     """x (B, S, N, D) reordered along S; its gradient is the inverse gather
     (autodiff of a gather would scatter-add)."""

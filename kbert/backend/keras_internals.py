@@ -136,6 +136,30 @@ class TrainerShims:
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
 
+def current_values(variables):
+    """The values `variables` have where the caller runs: inside a
+    `StatelessScope` (a JAX training step, whose variables are traced
+    values there) the scope's, else the variables' own
+    (`keras.src.backend.common.stateless_scope`, 3.10-3.15)."""
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
+
+    scope = get_stateless_scope()
+    values = [None if scope is None else scope.get_current_value(v) for v in variables]
+    return [v.value if value is None else value for v, value in zip(variables, values)]
+
+
+@contextlib.contextmanager
+def variables_bound(variables, values):
+    """A `StatelessScope` in which `variables` hold `values`; yields a
+    function giving each variable's value at that point (after assigns).
+    For running a layer on other weights than its own, as a loop over
+    layers does (3.10-3.15)."""
+    from keras.src.backend.common.stateless_scope import StatelessScope
+
+    with StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+        yield lambda variable: scope.get_current_value(variable)
+
+
 # --- optimizers -------------------------------------------------------------
 
 
@@ -476,12 +500,13 @@ _JIT_LOCK = threading.RLock()  # one rebinding of Keras' `jit` at a time
 
 
 @contextlib.contextmanager
-def jax_jit_options(model, kind):
+def jax_jit_options(model, kind, wrap=None):
     """Keras' JAX trainer jits the `kind` step it makes inside this context
     with `step_compiler_options(model, kind)`: `make_*_function` call the
     `jit` of `keras.src.backend.jax.trainer` (jax.jit, or nnx.jit under
-    NNX, left alone), rebound here for the call (Keras 3.12-3.15). Can go
-    if Keras' `compile` takes XLA compiler options."""
+    NNX, left alone), rebound here for the call (Keras 3.12-3.15); with
+    `wrap`, Keras gets `wrap(jitted step)`. Can go if Keras' `compile`
+    takes XLA compiler options."""
     options = step_compiler_options(model, kind)
     if not options or keras.backend.backend() != "jax":
         yield
@@ -498,7 +523,8 @@ def jax_jit_options(model, kind):
             model._kbert_step_options[kind] = None
             yield
             return
-        trainer.jit = functools.partial(jax.jit, compiler_options=options)
+        jit = functools.partial(jax.jit, compiler_options=options)
+        trainer.jit = jit if wrap is None else lambda *a, **k: wrap(jit(*a, **k))
         try:
             yield
         finally:

@@ -155,6 +155,15 @@ def _cudnn(dtype):
     )
 
 
+def blocks_in_loop(blocks, x, padding_mask, training=None):
+    """`x` through `blocks` (same structure, own weights) as one loop over
+    their stacked weights: JAX only (`jax_ops.blocks_in_loop`), for steps
+    that compile while the first steps run (`kbert.backend.jax_compile`)."""
+    if not backend.is_jax():
+        raise ValueError("blocks_in_loop runs on JAX only")
+    return jax_ops.blocks_in_loop(blocks, x, padding_mask, training)
+
+
 def fused_attention_path(dtype="bfloat16"):
     """Which kernel `fused_attention` uses for inputs of `dtype`."""
     if _cudnn(dtype):

@@ -7,6 +7,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert.backend import jax_compile
+from kbert.backend.ops import blocks_in_loop
 from kbert.layers import BertEmbeddings, Pooler, TransformerEncoderBlock, canonical_activation
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import batching, preset_io
@@ -187,6 +189,36 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.adapter_size = adapter_size
         self.embedding_dim = embedding_dim
         self.share_layers = share_layers
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        if jax_compile.layers_in_loop() and self.can_loop_layers(inputs):
+            # a step traced for its first, fast-compiling program
+            # (kbert.backend.jax_compile): the blocks as one loop
+            x = self.get_layer("embeddings")(
+                inputs["token_ids"], inputs["segment_ids"], training=training
+            )
+            x = blocks_in_loop(self.transformer_layers, x, inputs["padding_mask"], training)
+            return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
+        return super().call(inputs, training=training, mask=mask, **kwargs)
+
+    def can_loop_layers(self, inputs):
+        """Whether `call` can run the blocks on `inputs` as one loop over
+        stacked weights (`loops_layers`, and a (B, S) padding mask)."""
+        if not isinstance(inputs, dict) or "padding_mask" not in inputs:
+            return False
+        return len(inputs["padding_mask"].shape) == 2 and self.loops_layers()
+
+    def loops_layers(self):
+        """Whether the blocks can run as one loop over stacked weights:
+        separate blocks (not `share_layers`) of one structure, and no
+        per-layer outputs."""
+        if self.share_layers or self.output_hidden_states or self.num_layers < 2:
+            return False
+        shapes = [
+            [(tuple(v.shape), v.dtype) for v in b.trainable_variables + b.non_trainable_variables]
+            for b in self.transformer_layers
+        ]
+        return all(s == shapes[0] for s in shapes)
 
     @property
     def token_embedding(self):

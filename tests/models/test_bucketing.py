@@ -547,3 +547,90 @@ def test_tensorflow_batches_run_without_autotuning():
     for (x, y), (want_x, want_y) in zip(dataset, [batches[i] for i in range(len(batches))]):
         np.testing.assert_array_equal(y.numpy(), want_y)
         np.testing.assert_array_equal(x["token_ids"].numpy(), want_x["token_ids"])
+
+
+def looping_task(share_layers=False):
+    """A classifier with dropout on (the loop must advance each block's
+    dropout generator as the blocks do), its batches and labels."""
+    keras.utils.set_random_seed(0)
+    backbone = kbert.BertBackbone(
+        vocabulary_size=100,
+        num_layers=3,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=16,
+        share_layers=share_layers,
+    )
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 17, 24)
+    x = {
+        "token_ids": rng.integers(3, 100, (24, 16)).astype("int32"),
+        "segment_ids": np.zeros((24, 16), "int32"),
+        "padding_mask": (np.arange(16)[None] < lengths[:, None]).astype("int32"),
+    }
+    return kbert.BertClassifier(backbone, num_classes=2), x, rng.integers(0, 2, 24)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="a lax.scan over the blocks")
+def test_jax_step_with_the_blocks_in_a_loop_is_the_same_step():
+    """Traced with `layers_in_loop()`, the backbone runs its blocks as one
+    `lax.scan` (a while loop in the program), and the training step is the
+    same: losses, weights, optimizer and dropout-generator states."""
+    import jax
+
+    from kbert.backend import jax_compile, keras_internals
+
+    model, x, y = looping_task()
+    model.compile(optimizer="adam")
+    data = ({k: v[:8] for k, v in x.items()}, y[:8])
+    model.train_on_batch(*data)  # builds the optimizer and metrics
+    state = keras_internals.jax_step_state(model)
+
+    def loop(state, data):
+        return model.train_step(state, data)
+
+    with jax_compile._tracing_layers_in_loop():
+        looped = jax.jit(loop).lower(state, data).compile()
+    unrolled = jax.jit(model.train_step).lower(state, data).compile()
+    loops = [program.as_text().count(" while(") for program in (looped, unrolled)]
+    assert loops[0] == loops[1] + 2  # the blocks' forward and backward (+ the head dropout's)
+    (logs, after), (want_logs, want) = looped(state, data), unrolled(state, data)
+    np.testing.assert_allclose(float(logs["loss"]), float(want_logs["loss"]), rtol=1e-6)
+    leaves, want_leaves = jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(want)
+    assert len(leaves) == len(want_leaves)
+    for got, value in zip(leaves, want_leaves):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(value), rtol=1e-5, atol=1e-6)
+    seeds = [v for v in model.non_trainable_variables if "seed" in v.path]
+    assert seeds  # the dropout generators are in the state compared above
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+@pytest.mark.parametrize("share_layers", [False, True])
+def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, share_layers):
+    """With the step compiled ahead and without autotuning (as for a short
+    run on a GPU; forced here), the first steps run the program with the
+    blocks in a loop while the step's own compiles; the training is the
+    same as without. Shared layers have no blocks to stack: no loop."""
+    from kbert.backend import jax_compile
+
+    monkeypatch.setattr(jax_compile, "enabled", lambda: True)
+    monkeypatch.setattr(batching, "packing_pays", lambda batches: False)
+    monkeypatch.setattr(
+        jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
+    )
+    weights, runs = [], []
+    for first in (False, True):
+        monkeypatch.setattr(jax_compile, "FIRST_PROGRAMS", first)
+        model, x, y = looping_task(share_layers)
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0, bucket_lengths=16)
+        weights.append([np.asarray(v) for v in model.trainable_variables])
+        programs = jax_compile._FIRST.get(model)
+        runs.append(programs.steps_run if programs is not None else None)
+        if programs is not None:
+            assert programs.programs == {}  # the step's own programs after fit
+    assert runs[0] is None
+    assert runs[1] is None if share_layers else runs[1] >= 1
+    for got, want in zip(*weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -50,7 +50,7 @@ import functools
 import threading
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 import keras
 
@@ -207,6 +207,11 @@ def first_programs_wrapper(model, kind):
     return wrap
 
 
+def _compile(lowered, loop=False):
+    """Compiles a traced step program (`loop`: one with the blocks in a loop)."""
+    return lowered.compile()
+
+
 def _loop_step(train_step):
     """A function of its own for the loop program: JAX caches traces by
     function, and this one is traced with `layers_in_loop()` on."""
@@ -314,6 +319,7 @@ class AheadCompiler(keras.callbacks.Callback):
         self.running = {}  # step kind -> shape keys of the steps started last
         self.trace_lock = threading.Lock()  # the model is traced by one thread at a time
         self.first_traced = threading.Event()
+        self.closed = False
         self.warned = False
         self.first = None  # the model's FirstPrograms, when it has first programs
         self.first_pending = {}  # (step kind, shape key) -> Future of its loop program
@@ -335,11 +341,12 @@ class AheadCompiler(keras.callbacks.Callback):
                 if not first:
                     self.first_traced.wait()
                 with self.trace_lock:
+                    self._check_open()
                     lowered = step.lower(state, spec)
             finally:
                 if first:
                     self.first_traced.set()
-            return lowered.compile()
+            return _compile(lowered)
 
         ran = ran_shapes(self.model, kind)
         if len(batches) and kind not in self.structure:
@@ -374,10 +381,11 @@ class AheadCompiler(keras.callbacks.Callback):
         def compile_loop(spec):
             try:
                 with self.trace_lock, _tracing_layers_in_loop():
+                    self._check_open()
                     lowered = step.lower(state, spec)
             finally:
                 self.first_traced.set()
-            return lowered.compile()
+            return _compile(lowered, loop=True)
 
         self.first_pending[key] = self.pool.submit(compile_loop, _spec(batches[0]))
         return True
@@ -468,13 +476,23 @@ class AheadCompiler(keras.callbacks.Callback):
         self._commit("train")
         self.close()
 
+    def _check_open(self):
+        if self.closed:  # the loop has ended: the model is not traced again
+            raise CancelledError()
+
     def close(self):
-        """Cancels the compilations not started and waits for the running."""
+        """Cancels the compilations not started. Those compiling finish in
+        the background (their programs land in JAX's cache): a short `fit`
+        that ran all its steps on a loop program returns without waiting
+        for its steps' own programs. A trace in progress is waited for, and
+        none starts after this."""
         self.first_traced.set()  # a cancelled first trace must not hold the others
         if self.pool is not None:
             for future in [*self.first_pending.values(), *self.pending.values()]:
                 future.cancel()
-            self.pool.shutdown(wait=True)
+            with self.trace_lock:
+                self.closed = True
+            self.pool.shutdown(wait=False)
             self.pool = None
         if self.first is not None:  # the steps' own programs are compiled now
             self.first.programs.clear()

@@ -634,3 +634,48 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, share_lay
     assert runs[1] is None if share_layers else runs[1] >= 1
     for got, want in zip(*weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_fit_returns_before_unneeded_programs_compile(monkeypatch):
+    """A short fit whose steps all ran on the loop program returns while
+    its steps' own program is still compiling (that compile finishes in the
+    background); the weights are those of a fit on the step's programs."""
+    import threading
+
+    from kbert.backend import jax_compile
+
+    monkeypatch.setattr(jax_compile, "enabled", lambda: True)
+    monkeypatch.setattr(batching, "packing_pays", lambda batches: False)
+    monkeypatch.setattr(
+        jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
+    )
+    release, compiling, compiled = threading.Event(), threading.Event(), threading.Event()
+    compile_program = jax_compile._compile
+
+    def slow_own_programs(lowered, loop=False):
+        if loop:
+            return compile_program(lowered, loop)
+        compiling.set()  # the step's own programs compile until released
+        release.wait(30)
+        program = compile_program(lowered, loop)
+        compiled.set()
+        return program
+
+    weights = []
+    for first in (False, True):
+        monkeypatch.setattr(jax_compile, "FIRST_PROGRAMS", first)
+        monkeypatch.setattr(
+            jax_compile, "_compile", slow_own_programs if first else compile_program
+        )
+        model, x, y = looping_task()
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        model.fit(x, y, batch_size=8, verbose=0, bucket_lengths=16)
+        weights.append([np.asarray(v) for v in model.trainable_variables])
+    try:
+        assert compiling.is_set() and not compiled.is_set()  # fit returned meanwhile
+        assert jax_compile.first_program_steps(model) == 3  # every step on the loop program
+    finally:
+        release.set()
+    for got, want in zip(*weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

@@ -50,7 +50,8 @@ import functools
 import threading
 import warnings
 import weakref
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, CancelledError, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 import keras
 
@@ -87,9 +88,14 @@ def layers_in_loop():
     return getattr(_LOOP, "on", False)
 
 
+def note_looped():
+    """Called by a backbone that ran its blocks as a loop in this trace."""
+    _LOOP.looped = True
+
+
 @contextlib.contextmanager
 def _tracing_layers_in_loop():
-    _LOOP.on = True
+    _LOOP.on, _LOOP.looped = True, False
     try:
         yield
     finally:
@@ -132,18 +138,23 @@ FIRST_PROGRAMS = True
 
 
 def _shapes(data):
-    """The shapes of a batch's arrays: which program of a step runs it."""
+    """What selects a step's program for a batch: its tree structure and
+    each array's shape and dtype (as JAX holds it)."""
     import jax
 
-    return tuple(tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(data))
+    leaves, tree = jax.tree_util.tree_flatten(data)
+    return tree, tuple(
+        (tuple(leaf.shape), str(jax.dtypes.canonicalize_dtype(leaf.dtype))) for leaf in leaves
+    )
 
 
 class FirstPrograms:
     """Keras' jitted training step (`step`), which runs a batch on the
-    programs `AheadCompiler` compiled for its shapes (`programs`: shapes ->
-    (future of the loop program or None, future of the step's own)): the
-    step's own once compiled (Keras' jit would trace the step again, for
-    seconds, to find it), until then the loop program."""
+    programs `AheadCompiler` compiled for it (`programs`: `_shapes` ->
+    [future of the loop program or None, future of the step's own]): the
+    step's own once compiled, until then the loop program. It keeps the
+    step's own programs as long as Keras keeps the step (Keras' jit never
+    ran them: a later `fit` would compile them again on the main thread)."""
 
     def __init__(self, step):
         self.step = step
@@ -151,18 +162,36 @@ class FirstPrograms:
         self.steps_run = 0  # steps run on a loop program
 
     def __call__(self, state, data):
-        if self.programs:
-            entry = self.programs.get(_shapes(data))
-            if entry is not None:
-                loop, own = entry
-                if _succeeded(own):
-                    return own.result()(state, data)
-                if loop is not None and _succeeded(loop):
-                    self.steps_run += 1
-                    return loop.result()(state, data)
+        entry = self.programs.get(_shapes(data)) if self.programs else None
+        if entry is not None:
+            loop, own = entry
+            program, looped = None, False
+            if _succeeded(own):
+                program = own.result()
+            elif loop is not None and _succeeded(loop):
+                program, looped = loop.result(), True
+            if program is not None:
+                try:  # a mismatch raises before anything is donated
+                    out = program(state, data)
+                except TypeError:
+                    self.programs.pop(_shapes(data), None)
+                    return self.step(state, data)
+                self.steps_run += looped
+                return out
         return self.step(state, data)
 
+    def forget_loops(self):
+        """Drops the loop programs (a `fit` has ended) and the futures of
+        programs that did not compile."""
+        for key, (loop, own) in list(self.programs.items()):
+            if own.done() and not _succeeded(own):
+                del self.programs[key]
+            else:
+                self.programs[key] = [None, own]
+
     def __getattr__(self, name):
+        if name == "step":
+            raise AttributeError(name)
         return getattr(self.step, name)
 
 
@@ -170,14 +199,15 @@ def _succeeded(future):
     return future.done() and not future.cancelled() and future.exception() is None
 
 
-# model -> its `FirstPrograms` (the training step Keras holds)
-_FIRST = weakref.WeakKeyDictionary()
+def _first_programs(model):
+    return getattr(model, "_kbert_first_programs", None)
 
 
 def first_programs_apply(model, kind):
     """Whether `model`'s `kind` step runs first programs: training steps of
-    a `fit` that compiles ahead (`enabled`), without autotuning, of a model
-    whose backbone can loop its blocks."""
+    a `fit` on an accelerator (`enabled`; the ahead compiler makes them),
+    compiled without autotuning, of a model whose backbone can loop its
+    blocks."""
     if kind != "train" or not FIRST_PROGRAMS or not enabled():
         return False
     options = keras_internals.step_compiler_options(model, "train")
@@ -189,22 +219,31 @@ def first_programs_apply(model, kind):
 def first_program_steps(model):
     """How many training steps of `model` ran on a loop program, or None
     where its step has no first programs."""
-    programs = _FIRST.get(model)
+    programs = _first_programs(model)
     return None if programs is None else programs.steps_run
 
 
 def first_programs_wrapper(model, kind):
     """For `Task._make_step`: a function wrapping Keras' jitted `kind` step
-    in a `FirstPrograms` (recorded for the model), or None."""
+    in a `FirstPrograms` (kept on the model, as Keras keeps its step), or
+    None."""
+    if kind != "train":
+        return None
     if not first_programs_apply(model, kind):
-        _FIRST.pop(model, None)
+        object.__setattr__(model, "_kbert_first_programs", None)  # a new step, plain
         return None
 
     def wrap(step):
-        _FIRST[model] = FirstPrograms(step)
-        return _FIRST[model]
+        programs = FirstPrograms(step)
+        object.__setattr__(model, "_kbert_first_programs", programs)
+        return programs
 
     return wrap
+
+
+class NotLooped(Exception):
+    """The step traced for a loop program does not loop its blocks (e.g.
+    rows packing several examples): it would be the step's own program."""
 
 
 def _compile(lowered, loop=False):
@@ -364,7 +403,7 @@ class AheadCompiler(keras.callbacks.Callback):
     def _submit_first(self, batches):
         """Compiles the loop program of the first batch's shape, tracing
         before anything else; True if it did."""
-        first = _FIRST.get(self.model)
+        first = _first_programs(self.model)
         if first is None or not len(batches) or not first_programs_apply(self.model, "train"):
             return False
         self.first = first
@@ -383,6 +422,8 @@ class AheadCompiler(keras.callbacks.Callback):
                 with self.trace_lock, _tracing_layers_in_loop():
                     self._check_open()
                     lowered = step.lower(state, spec)
+                    if not getattr(_LOOP, "looped", False):
+                        raise NotLooped()
             finally:
                 self.first_traced.set()
             return _compile(lowered, loop=True)
@@ -406,7 +447,7 @@ class AheadCompiler(keras.callbacks.Callback):
             return
         for key, own in self.pending.items():
             if key[0] == kind and key in self.shapes:
-                self.first.programs[self.shapes[key]] = (self.first_pending.get(key), own)
+                self.first.programs[self.shapes[key]] = [self.first_pending.get(key), own]
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.pool is not None:  # shapes a new shuffle of the batches brings
@@ -441,7 +482,11 @@ class AheadCompiler(keras.callbacks.Callback):
         for index in range(first, min(first + count, len(batches))):
             key = (kind, batches.shape_key(index))
             loop, own = self.first_pending.get(key), self.pending.get(key)
-            if loop is None or own is None or own.done() or not self._ready(loop):
+            if loop is not None and own is not None:  # whichever compiles first
+                wait_futures([loop, own], return_when=FIRST_COMPLETED)
+                if not own.done() and not self._ready(loop):
+                    self._wait(*key)
+            else:
                 self._wait(*key)  # the step's own program
             self.running[kind].append(key)
 
@@ -450,6 +495,8 @@ class AheadCompiler(keras.callbacks.Callback):
         try:
             future.result()
             return True
+        except NotLooped:
+            return False
         except Exception as error:
             self._warn(error)
             return False
@@ -458,8 +505,8 @@ class AheadCompiler(keras.callbacks.Callback):
         if not self.warned:
             self.warned = True
             warnings.warn(
-                f"kbert: compiling a step shape ahead failed ({type(error).__name__}: "
-                f"{str(error)[:200]}); Keras compiles each shape when it first runs."
+                f"kbert: compiling a step program ahead failed ({type(error).__name__}: "
+                f"{str(error)[:200]}); the step compiles it when it first runs."
             )
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -494,6 +541,6 @@ class AheadCompiler(keras.callbacks.Callback):
                 self.closed = True
             self.pool.shutdown(wait=False)
             self.pool = None
-        if self.first is not None:  # the steps' own programs are compiled now
-            self.first.programs.clear()
+        if self.first is not None:
+            self.first.forget_loops()
         self.pending, self.steps, self.first_pending = {}, {}, {}

@@ -127,7 +127,9 @@ def blocks_in_loop(blocks, x, padding_mask, training):
     weights) as one `lax.scan` over their stacked weights: XLA compiles
     one block instead of L (see `kbert.backend.jax_compile`). Each block's
     non-trainable state (its dropout generators) is used and advanced as
-    when the blocks run one after the other, so the outputs are the same."""
+    when the blocks run one after the other: the same step, to float
+    rounding. The blocks must be alike (`BertBackbone.loops_layers`): the
+    first block's code runs on each block's weights."""
     from kbert.backend import keras_internals
 
     first = blocks[0]

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kbert.backend import jax_compile
+from kbert.backend import jax_compile, keras_internals
 from kbert.backend.ops import blocks_in_loop
 from kbert.layers import BertEmbeddings, Pooler, TransformerEncoderBlock, canonical_activation
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
@@ -18,6 +18,24 @@ from kbert.utils import checks
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
 SHARED_LAYER_NAME = "shared_transformer_layer"
+
+
+def _block_signature(block):
+    """What must match between blocks for one to run in place of another
+    (`BertBackbone.loops_layers`), or None if a block cannot loop."""
+    layers = [block, *keras_internals.flatten_layers(block)]
+    if any(getattr(layer, "activity_regularizer", None) is not None for layer in layers):
+        return None
+
+    def config(layer):
+        values = {k: v for k, v in layer.get_config().items() if k != "name"}
+        return type(layer).__name__, repr(sorted(values.items(), key=lambda kv: kv[0]))
+
+    variables = [
+        (tuple(v.shape), str(v.dtype), bool(v.trainable))
+        for v in block.trainable_variables + block.non_trainable_variables
+    ]
+    return [config(layer) for layer in layers], variables
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -198,6 +216,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 inputs["token_ids"], inputs["segment_ids"], training=training
             )
             x = blocks_in_loop(self.transformer_layers, x, inputs["padding_mask"], training)
+            jax_compile.note_looped()
             return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
         return super().call(inputs, training=training, mask=mask, **kwargs)
 
@@ -209,16 +228,16 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         return len(inputs["padding_mask"].shape) == 2 and self.loops_layers()
 
     def loops_layers(self):
-        """Whether the blocks can run as one loop over stacked weights:
-        separate blocks (not `share_layers`) of one structure, and no
-        per-layer outputs."""
+        """Whether the blocks can run as one loop over stacked weights (the
+        first block's code on each block's weights): separate blocks (not
+        `share_layers`), no per-layer outputs, and blocks alike in every
+        sublayer's type, configuration, dtype policy and quantization, and
+        in their variables' shapes, dtypes and trainability; no activity
+        regularizer (its loss would not reach the step)."""
         if self.share_layers or self.output_hidden_states or self.num_layers < 2:
             return False
-        shapes = [
-            [(tuple(v.shape), v.dtype) for v in b.trainable_variables + b.non_trainable_variables]
-            for b in self.transformer_layers
-        ]
-        return all(s == shapes[0] for s in shapes)
+        signatures = [_block_signature(block) for block in self.transformer_layers]
+        return signatures[0] is not None and all(s == signatures[0] for s in signatures)
 
     @property
     def token_embedding(self):

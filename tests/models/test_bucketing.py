@@ -2,6 +2,7 @@
 every example once per epoch in a seeded order, and make few shapes."""
 
 import contextlib
+import time
 
 import keras
 import numpy as np
@@ -606,32 +607,63 @@ def test_jax_step_with_the_blocks_in_a_loop_is_the_same_step():
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
-@pytest.mark.parametrize("share_layers", [False, True])
-def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, share_layers):
+@pytest.mark.parametrize("case", ["blocks", "shared", "packed"])
+def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, case):
     """With the step compiled ahead and without autotuning (as for a short
-    run on a GPU; forced here), the first steps run the program with the
-    blocks in a loop while the step's own compiles; the training is the
-    same as without. Shared layers have no blocks to stack: no loop."""
+    run on a GPU; forced here), the steps run the program with the blocks
+    in a loop until the step's own program is compiled (held here until
+    step K), then that one; the training is the same as without. A second
+    `fit` compiles nothing. Shared layers have no blocks to stack, and rows
+    packing several examples do not run the backbone's call: no loop."""
+    import threading
+
     from kbert.backend import jax_compile
 
+    K = 3
     monkeypatch.setattr(jax_compile, "enabled", lambda: True)
-    monkeypatch.setattr(batching, "packing_pays", lambda batches: False)
+    monkeypatch.setattr(batching, "packing_pays", lambda batches: case == "packed")
     monkeypatch.setattr(
         jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
     )
+    release, compiled = threading.Event(), threading.Event()
+    compile_program = jax_compile._compile
+
+    def held_own_programs(lowered, loop=False):
+        if loop:
+            return compile_program(lowered, loop)
+        release.wait(60)
+        program = compile_program(lowered, loop)
+        compiled.set()
+        return program
+
+    class Release(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == K:
+                release.set()
+                compiled.wait(60)
+                time.sleep(0.5)  # the future completes as the compile returns
+
+    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
     weights, runs = [], []
-    for first in (False, True):
-        monkeypatch.setattr(jax_compile, "FIRST_PROGRAMS", first)
-        model, x, y = looping_task(share_layers)
-        model.compile(optimizer=keras.optimizers.SGD(0.05))
-        model.fit(x, y, batch_size=4, epochs=2, verbose=0, bucket_lengths=16)
-        weights.append([np.asarray(v) for v in model.trainable_variables])
-        programs = jax_compile._FIRST.get(model)
-        runs.append(programs.steps_run if programs is not None else None)
-        if programs is not None:
-            assert programs.programs == {}  # the step's own programs after fit
+    with step_compiles() as compiles:
+        for first in (False, True):
+            monkeypatch.setattr(jax_compile, "FIRST_PROGRAMS", first)
+            release.clear(), compiled.clear()
+            if not first or case != "blocks":
+                release.set()  # no loop program: the steps wait for their own
+            model, x, y = looping_task(share_layers=case == "shared")
+            model.compile(optimizer=keras.optimizers.SGD(0.05))
+            kwargs = dict(batch_size=4, verbose=0, bucket_lengths=16)
+            if case == "packed":
+                kwargs["pack_rows"] = True
+            model.fit(x, y, epochs=2, callbacks=[Release()], **kwargs)
+            runs.append(jax_compile.first_program_steps(model))
+            compiles.clear()
+            model.fit(x, y, **kwargs)  # the programs of the first fit
+            assert compiles == [], compiles
+            weights.append([np.asarray(v) for v in model.trainable_variables])
     assert runs[0] is None
-    assert runs[1] is None if share_layers else runs[1] >= 1
+    assert runs[1] == {"blocks": K, "shared": None, "packed": 0}[case]
     for got, want in zip(*weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 

@@ -16,7 +16,10 @@ of the same step finds them: the programs, and the numbers, are the ones
 Keras would have compiled.
 
 A later `fit` of the same model reuses Keras' jitted step, which keeps
-the programs of the shapes it ran: those shapes are not compiled again.
+the programs of the shapes it ran (with first programs, below, the
+step's wrapper keeps them): those shapes are not compiled again. A `fit`
+that ends while programs no step needs are still compiling returns; they
+finish in the background.
 
 On a GPU, XLA also autotunes each matrix product of a new program (it
 times candidate kernels). For BERT-base (batch 32, 64 tokens, H100) that
@@ -33,8 +36,9 @@ compiled, first, as a program of the same step with the blocks run as one
 `layers_in_loop()`): XLA compiles one block instead of twelve (BERT-base
 on an H200: 6 s against 11 s), and its steps cost more (9.0 against
 6.7 ms), so the steps run it only until the step's own program is ready
-(`FirstPrograms`). Both compute the same step; the state passes from one
-to the other. Only for programs compiled without autotuning (which times
+(`FirstPrograms`, which then runs the ahead-compiled programs itself).
+Both compute the same step, to float rounding; the state passes from
+one to the other. Only for programs compiled without autotuning (which times
 candidate kernels on the GPU that the first program's steps would be
 using) and backbones whose blocks can loop (`loops_layers`).
 
@@ -141,11 +145,15 @@ def _shapes(data):
     """What selects a step's program for a batch: its tree structure and
     each array's shape and dtype (as JAX holds it)."""
     import jax
+    import numpy as np
+
+    def leaf(value):
+        dtype = getattr(value, "dtype", None)
+        dtype = np.result_type(value) if dtype is None else dtype
+        return tuple(np.shape(value)), str(jax.dtypes.canonicalize_dtype(dtype))
 
     leaves, tree = jax.tree_util.tree_flatten(data)
-    return tree, tuple(
-        (tuple(leaf.shape), str(jax.dtypes.canonicalize_dtype(leaf.dtype))) for leaf in leaves
-    )
+    return tree, tuple(leaf(value) for value in leaves)
 
 
 class FirstPrograms:
@@ -171,9 +179,9 @@ class FirstPrograms:
             elif loop is not None and _succeeded(loop):
                 program, looped = loop.result(), True
             if program is not None:
-                try:  # a mismatch raises before anything is donated
+                try:  # a mismatch (structure, shapes, placement) raises before donating
                     out = program(state, data)
-                except TypeError:
+                except (TypeError, ValueError):
                     self.programs.pop(_shapes(data), None)
                     return self.step(state, data)
                 self.steps_run += looped
@@ -209,6 +217,8 @@ def first_programs_apply(model, kind):
     compiled without autotuning, of a model whose backbone can loop its
     blocks."""
     if kind != "train" or not FIRST_PROGRAMS or not enabled():
+        return False
+    if not getattr(model, "calls_backbone", True):  # e.g. a distiller walks the blocks itself
         return False
     options = keras_internals.step_compiler_options(model, "train")
     backbone = getattr(model, "backbone", None)
@@ -392,13 +402,29 @@ class AheadCompiler(keras.callbacks.Callback):
             self.structure[kind] = _structure(batches[0])
         for index in batches.first_of_each_shape():
             key = (kind, batches.shape_key(index))
-            if key not in self.pending and self._ran_key(key) not in ran:
+            if key in self.pending:
+                continue
+            shapes = _shapes(batches[index])
+            kept = self._kept(kind, shapes)
+            if kept is not None and not kept.done():  # still compiling, from an earlier fit
+                self.pending[key], self.shapes[key] = kept, shapes
+            elif (kept is None and self._ran_key(key) not in ran) or (
+                kept is not None and not _succeeded(kept)
+            ):
                 first = lead and not self.first_traced.is_set() and not self.pending
                 job = functools.partial(compile_shape, _spec(batches[index]), first)
                 self.pending[key] = self.pool.submit(job)
-                self.shapes[key] = _shapes(batches[index])
+                self.shapes[key] = shapes
         if not self.pending:
             self.first_traced.set()
+
+    def _kept(self, kind, shapes):
+        """The future of the program for `shapes` that the model's
+        `FirstPrograms` keeps (runs it without Keras' jit), or None."""
+        if kind != "train" or self.first is None:
+            return None
+        entry = self.first.programs.get(shapes)
+        return None if entry is None else entry[1]
 
     def _submit_first(self, batches):
         """Compiles the loop program of the first batch's shape, tracing
@@ -407,6 +433,8 @@ class AheadCompiler(keras.callbacks.Callback):
         if first is None or not len(batches) or not first_programs_apply(self.model, "train"):
             return False
         self.first = first
+        if getattr(batches, "packing", False):  # packed rows do not run the backbone's call
+            return False
         key = ("train", batches.shape_key(0))
         if key in self.pending or self._ran_key(key) in ran_shapes(self.model, "train"):
             return False
@@ -484,7 +512,7 @@ class AheadCompiler(keras.callbacks.Callback):
             loop, own = self.first_pending.get(key), self.pending.get(key)
             if loop is not None and own is not None:  # whichever compiles first
                 wait_futures([loop, own], return_when=FIRST_COMPLETED)
-                if not own.done() and not self._ready(loop):
+                if not _succeeded(own) and not self._ready(loop):
                     self._wait(*key)
             else:
                 self._wait(*key)  # the step's own program

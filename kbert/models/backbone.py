@@ -3,6 +3,8 @@
 Shapes: B batch, T tokens, H hidden, E embedding width, L layers.
 """
 
+import json
+
 import keras
 import numpy as np
 from keras import ops
@@ -23,19 +25,26 @@ SHARED_LAYER_NAME = "shared_transformer_layer"
 def _block_signature(block):
     """What must match between blocks for one to run in place of another
     (`BertBackbone.loops_layers`), or None if a block cannot loop."""
-    layers = [block, *keras_internals.flatten_layers(block)]
-    if any(getattr(layer, "activity_regularizer", None) is not None for layer in layers):
+    try:
+        layers = [block, *keras_internals.flatten_layers(block)]
+        if any(getattr(layer, "activity_regularizer", None) is not None for layer in layers):
+            return None
+        configs = [
+            (
+                type(layer),
+                json.dumps(
+                    {k: v for k, v in layer.get_config().items() if k != "name"}, sort_keys=True
+                ),
+            )
+            for layer in layers
+        ]
+    except Exception:  # a layer without a (JSON) config: no loop
         return None
-
-    def config(layer):
-        values = {k: v for k, v in layer.get_config().items() if k != "name"}
-        return type(layer).__name__, repr(sorted(values.items(), key=lambda kv: kv[0]))
-
     variables = [
         (tuple(v.shape), str(v.dtype), bool(v.trainable))
         for v in block.trainable_variables + block.non_trainable_variables
     ]
-    return [config(layer) for layer in layers], variables
+    return configs, variables
 
 
 @keras.saving.register_keras_serializable(package="kbert")

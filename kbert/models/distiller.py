@@ -299,6 +299,9 @@ class BertDistiller(Task):
     >>> distiller.compile()
     """
 
+    # its step runs the backbones' layers itself, not their `call`
+    calls_backbone = False
+
     def __init__(
         self,
         teacher,

@@ -503,7 +503,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         step made without a plan (train_on_batch, ...) runs an unknown
         number of times: `jax_compile.step_options(self, None)`."""
         jax_compile.plan(self, None, (kind,), replace=False)
-        wrap = jax_compile.first_programs_wrapper(self, kind)
+        making = force or getattr(self, f"{kind}_function") is None
+        wrap = jax_compile.first_programs_wrapper(self, kind) if making else None
         with keras_internals.jax_jit_options(self, kind, wrap):
             return make(force)
 

@@ -2,7 +2,6 @@
 every example once per epoch in a seeded order, and make few shapes."""
 
 import contextlib
-import time
 
 import keras
 import numpy as np
@@ -608,7 +607,7 @@ def test_jax_step_with_the_blocks_in_a_loop_is_the_same_step():
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
 @pytest.mark.parametrize("case", ["blocks", "shared", "packed"])
-def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, case):
+def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, request, case):
     """With the step compiled ahead and without autotuning (as for a short
     run on a GPU; forced here), the steps run the program with the blocks
     in a loop until the step's own program is compiled (held here until
@@ -616,6 +615,7 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, case):
     `fit` compiles nothing. Shared layers have no blocks to stack, and rows
     packing several examples do not run the backbone's call: no loop."""
     import threading
+    from concurrent.futures import wait as wait_futures
 
     from kbert.backend import jax_compile
 
@@ -625,30 +625,29 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, case):
     monkeypatch.setattr(
         jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
     )
-    release, compiled = threading.Event(), threading.Event()
+    release = threading.Event()
     compile_program = jax_compile._compile
 
     def held_own_programs(lowered, loop=False):
-        if loop:
-            return compile_program(lowered, loop)
-        release.wait(60)
-        program = compile_program(lowered, loop)
-        compiled.set()
-        return program
+        if not loop:
+            release.wait(60)
+        return compile_program(lowered, loop)
 
     class Release(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
-            if batch == K:
+            programs = jax_compile._first_programs(self.model)
+            if batch == K and programs is not None:
                 release.set()
-                compiled.wait(60)
-                time.sleep(0.5)  # the future completes as the compile returns
+                own = [entry[1] for entry in programs.programs.values()]
+                assert own and all(f.done() for f in wait_futures(own, timeout=60).done)
 
     monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
+    request.addfinalizer(release.set)  # no worker left waiting if the test fails
     weights, runs = [], []
     with step_compiles() as compiles:
         for first in (False, True):
             monkeypatch.setattr(jax_compile, "FIRST_PROGRAMS", first)
-            release.clear(), compiled.clear()
+            release.clear()
             if not first or case != "blocks":
                 release.set()  # no loop program: the steps wait for their own
             model, x, y = looping_task(share_layers=case == "shared")
@@ -709,5 +708,9 @@ def test_jax_fit_returns_before_unneeded_programs_compile(monkeypatch):
         assert jax_compile.first_program_steps(model) == 3  # every step on the loop program
     finally:
         release.set()
+    # a later fit waits for that compilation rather than compile on the main thread
+    with step_compiles() as compiles:
+        model.fit(x, y, batch_size=8, verbose=0, bucket_lengths=16)
+    assert "MainThread" not in compiles and jax_compile.first_program_steps(model) == 3
     for got, want in zip(*weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

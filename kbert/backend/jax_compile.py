@@ -404,8 +404,10 @@ class AheadCompiler(keras.callbacks.Callback):
             key = (kind, batches.shape_key(index))
             if key in self.pending:
                 continue
-            shapes = _shapes(batches[index])
-            kept = self._kept(kind, shapes)
+            kept = shapes = None
+            if kind == "train" and self.first is not None:  # what FirstPrograms holds
+                shapes = _shapes(batches[index])
+                kept = self.first.programs.get(shapes, (None, None))[1]
             if kept is not None and not kept.done():  # still compiling, from an earlier fit
                 self.pending[key], self.shapes[key] = kept, shapes
             elif (kept is None and self._ran_key(key) not in ran) or (
@@ -414,17 +416,10 @@ class AheadCompiler(keras.callbacks.Callback):
                 first = lead and not self.first_traced.is_set() and not self.pending
                 job = functools.partial(compile_shape, _spec(batches[index]), first)
                 self.pending[key] = self.pool.submit(job)
-                self.shapes[key] = shapes
+                if shapes is not None:
+                    self.shapes[key] = shapes
         if not self.pending:
             self.first_traced.set()
-
-    def _kept(self, kind, shapes):
-        """The future of the program for `shapes` that the model's
-        `FirstPrograms` keeps (runs it without Keras' jit), or None."""
-        if kind != "train" or self.first is None:
-            return None
-        entry = self.first.programs.get(shapes)
-        return None if entry is None else entry[1]
 
     def _submit_first(self, batches):
         """Compiles the loop program of the first batch's shape, tracing

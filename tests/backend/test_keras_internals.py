@@ -27,6 +27,15 @@ TINY = dict(
 )
 
 
+def tiny_batch(rows):
+    """`rows` inputs of 4 tokens, for the TINY backbone."""
+    return {
+        "token_ids": np.ones((rows, 4), "int32"),
+        "segment_ids": np.zeros((rows, 4), "int32"),
+        "padding_mask": np.ones((rows, 4), "int32"),
+    }
+
+
 def parameters(function):
     return list(inspect.signature(function).parameters)
 
@@ -211,11 +220,7 @@ def test_jax_loop_state_that_the_error_shim_restores():
     assert callable(JAXTrainer.jax_state_sync) and callable(JAXTrainer._purge_model_variables)
     model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
     model.compile(optimizer="sgd")
-    x = {
-        "token_ids": np.ones((2, 4), "int32"),
-        "segment_ids": np.zeros((2, 4), "int32"),
-        "padding_mask": np.ones((2, 4), "int32"),
-    }
+    x = tiny_batch(2)
     model.fit(x, np.zeros(2), verbose=0)
     assert hasattr(model, "_jax_state") and model.variables[0]._value is not None
 
@@ -243,11 +248,7 @@ def test_jax_step_state_set_without_tracking():
         pytest.skip("the JAX trainer only")
     model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
     model.compile(optimizer="sgd")
-    x = {
-        "token_ids": np.ones((4, 4), "int32"),
-        "segment_ids": np.zeros((4, 4), "int32"),
-        "padding_mask": np.ones((4, 4), "int32"),
-    }
+    x = tiny_batch(4)
     before = keras.ops.convert_to_numpy(model.trainable_variables[-1])
     seen = []
 

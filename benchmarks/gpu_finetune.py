@@ -160,6 +160,47 @@ def fit_result(examples, start, built, trained):
     }
 
 
+class StepTimes:
+    """Host times of a `fit` (see `timeline`); `step_times()` makes the callback.
+    Batch-begin hooks only: a batch-end hook would make Keras read each
+    step's logs back from the device (a sync per step)."""
+
+    def on_train_begin(self, logs=None):
+        self.begin, self.begins = time.perf_counter(), []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begins.append(time.perf_counter())
+
+    def on_train_end(self, logs=None):
+        self.end = time.perf_counter()
+
+    def timeline(self, start, switch=None):
+        """Seconds from `start` (after `compile`): the loop's start (inputs
+        tokenized and batched), the first step dispatched (its program
+        compiled: the second step's begin), the same for step `switch`
+        (the first on the step's own program), and the loop's end (the
+        device done: Keras reads the metrics back); and the steps per
+        second from `switch` to the loop's end."""
+        begins = self.begins
+        out = {
+            "loop_begin": self.begin - start,
+            "first_step_dispatched": begins[1] - start if len(begins) > 1 else None,
+            "loop_end": self.end - start,
+        }
+        if switch is not None and switch + 1 < len(begins):
+            out["own_program_dispatched"] = begins[switch + 1] - start
+        if begins:
+            at = begins[min(switch or 0, len(begins) - 1)]
+            out["steps_per_second_after"] = (len(begins) - (switch or 0)) / (self.end - at)
+        return out
+
+
+def step_times():
+    import keras  # in the child process only
+
+    return type("StepTimesCallback", (StepTimes, keras.callbacks.Callback), {})()
+
+
 def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
     import keras
     import numpy as np
@@ -189,6 +230,7 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
         model = cls(backbone, preprocessor=preprocessor, **head)
     model.compile(learning_rate=LR, autotune=autotune)
     built = time.perf_counter()
+    steps = step_times()
     model.fit(
         texts,
         labels,
@@ -196,6 +238,7 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
         epochs=args.epochs,
         verbose=0,
         bucket_lengths=bucket_lengths,
+        callbacks=[steps],
         **({"pack_rows": pack_rows} if task == "sst2" else {}),
     )
     trained = time.perf_counter()
@@ -209,6 +252,11 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
         from kbert.backend import jax_compile
 
         result["first_program_steps"] = jax_compile.first_program_steps(model)
+        result["compile_log"] = [
+            dict(entry, trace_begin=entry["trace_begin"] - built)
+            for entry in jax_compile.compile_log(model)
+        ]
+    result["timeline"] = steps.timeline(built, result.get("first_program_steps"))
     if task == "sst2":
         sample = texts[: args.predict]
         for name in ("predict_first", "predict_again"):

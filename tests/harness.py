@@ -32,6 +32,22 @@ def max_abs_diff(a, b):
     )
 
 
+def count_state_writes(model):
+    """A list that records each time a JAX `fit` writes its step state into
+    the model's variables (`jax_state_sync` with a state not yet written),
+    which costs a write of every variable and a read at the next step."""
+    writes = []
+    sync = model.jax_state_sync
+
+    def counting():
+        if getattr(model, "_jax_state", None) and not model._jax_state_synced:
+            writes.append(True)
+        return sync()
+
+    object.__setattr__(model, "jax_state_sync", counting)
+    return writes
+
+
 def backbone_inputs(batch=3, length=10, vocabulary_size=97, seed=0):
     """Random ids with ragged padding: row 0 full, the others padded."""
     rng = np.random.default_rng(seed)

@@ -52,6 +52,7 @@ list (a `CallbackList` is used as given).
 import contextlib
 import functools
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import FIRST_COMPLETED, CancelledError, ThreadPoolExecutor
@@ -233,6 +234,13 @@ def first_program_steps(model):
     return None if programs is None else programs.steps_run
 
 
+def compile_log(model):
+    """The step programs the ahead compiler compiled for `model`, in the
+    order they finished: step kind, shape key, whether a loop program,
+    `trace_begin` (`time.perf_counter()`), seconds tracing and compiling."""
+    return list(getattr(model, "_kbert_compile_log", None) or ())
+
+
 def first_programs_wrapper(model, kind):
     """For `Task._make_step`: a function wrapping Keras' jitted `kind` step
     in a `FirstPrograms` (kept on the model, as Keras keeps its step), or
@@ -374,6 +382,14 @@ class AheadCompiler(keras.callbacks.Callback):
         self.first_pending = {}  # (step kind, shape key) -> Future of its loop program
         self.shapes = {}  # (step kind, shape key) -> its batches' `_shapes`
 
+    @property
+    def owner(self):
+        """The model, without the state sync of `self.model` (which this
+        callback needs only where it reads the variables' values: the
+        state its traces start from, before the first step). Used before
+        every step and in the compiling threads."""
+        return keras_internals.callback_model(self)
+
     def _submit(self, kind, batches, lead=False):
         """Compiles each shape of `batches` not compiled yet for the `kind`
         step, in the pool. With `lead`, the first of them traces before
@@ -385,19 +401,23 @@ class AheadCompiler(keras.callbacks.Callback):
             )
         step, state = self.steps[kind]
 
-        def compile_shape(spec, first):
+        def compile_shape(spec, first, key):
             try:
                 if not first:
                     self.first_traced.wait()
                 with self.trace_lock:
                     self._check_open()
+                    begin = time.perf_counter()
                     lowered = step.lower(state, spec)
+                    traced = time.perf_counter()
             finally:
                 if first:
                     self.first_traced.set()
-            return _compile(lowered)
+            program = _compile(lowered)
+            self._log(key, False, begin, traced)
+            return program
 
-        ran = ran_shapes(self.model, kind)
+        ran = ran_shapes(self.owner, kind)
         if len(batches) and kind not in self.structure:
             self.structure[kind] = _structure(batches[0])
         for index in batches.first_of_each_shape():
@@ -414,7 +434,7 @@ class AheadCompiler(keras.callbacks.Callback):
                 kept is not None and not _succeeded(kept)
             ):
                 first = lead and not self.first_traced.is_set() and not self.pending
-                job = functools.partial(compile_shape, _spec(batches[index]), first)
+                job = functools.partial(compile_shape, _spec(batches[index]), first, key)
                 self.pending[key] = self.pool.submit(job)
                 if shapes is not None:
                     self.shapes[key] = shapes
@@ -424,19 +444,20 @@ class AheadCompiler(keras.callbacks.Callback):
     def _submit_first(self, batches):
         """Compiles the loop program of the first batch's shape, tracing
         before anything else; True if it did."""
-        first = _first_programs(self.model)
-        if first is None or not len(batches) or not first_programs_apply(self.model, "train"):
+        model = self.owner
+        first = _first_programs(model)
+        if first is None or not len(batches) or not first_programs_apply(model, "train"):
             return False
         self.first = first
         if getattr(batches, "packing", False):  # packed rows do not run the backbone's call
             return False
         key = ("train", batches.shape_key(0))
-        if key in self.pending or self._ran_key(key) in ran_shapes(self.model, "train"):
+        if key in self.pending or self._ran_key(key) in ran_shapes(model, "train"):
             return False
-        options = keras_internals.step_compiler_options(self.model, "train")
+        options = keras_internals.step_compiler_options(model, "train")
         import jax
 
-        loop = _loop_step(self.model.train_step)
+        loop = _loop_step(model.train_step)
         step = jax.jit(loop, donate_argnums=0, compiler_options=options)
         state = keras_internals.jax_step_state(self.model, "train")
 
@@ -444,15 +465,37 @@ class AheadCompiler(keras.callbacks.Callback):
             try:
                 with self.trace_lock, _tracing_layers_in_loop():
                     self._check_open()
+                    begin = time.perf_counter()
                     lowered = step.lower(state, spec)
+                    traced = time.perf_counter()
                     if not getattr(_LOOP, "looped", False):
                         raise NotLooped()
             finally:
                 self.first_traced.set()
-            return _compile(lowered, loop=True)
+            program = _compile(lowered, loop=True)
+            self._log(key, True, begin, traced)
+            return program
 
         self.first_pending[key] = self.pool.submit(compile_loop, _spec(batches[0]))
         return True
+
+    def _log(self, key, loop, begin, traced):
+        """Records a compiled program in the model's `compile_log`."""
+        log = getattr(self.owner, "_kbert_compile_log", None)
+        if log is None:
+            log = []
+            object.__setattr__(self.owner, "_kbert_compile_log", log)
+        kind, shape = key
+        log.append(
+            {
+                "kind": kind,
+                "shape": [int(v) for v in shape],
+                "loop": loop,
+                "trace_begin": begin,
+                "trace_seconds": traced - begin,
+                "compile_seconds": time.perf_counter() - traced,
+            }
+        )
 
     def on_train_begin(self, logs=None):
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
@@ -495,12 +538,12 @@ class AheadCompiler(keras.callbacks.Callback):
     def _commit(self, kind):
         """The steps of `kind` started last have run: Keras' step holds
         their programs."""
-        ran = ran_shapes(self.model, kind)
+        ran = ran_shapes(self.owner, kind)
         ran.update(self._ran_key(key) for key in self.running.pop(kind, ()))
 
     def _wait_range(self, kind, batches, first):
         self._commit(kind)  # a new step starts: the previous ones ended
-        count = getattr(self.model, "steps_per_execution", 1) or 1
+        count = getattr(self.owner, "steps_per_execution", 1) or 1
         self.running[kind] = []
         for index in range(first, min(first + count, len(batches))):
             key = (kind, batches.shape_key(index))

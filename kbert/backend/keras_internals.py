@@ -136,6 +136,18 @@ class TrainerShims:
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
 
+def callback_model(callback):
+    """The model a callback is attached to, as `callback.model` without
+    the state sync it runs on JAX (`Callback.model` calls
+    `model.jax_state_sync()`: inside a `fit` it writes the step state into
+    every variable, some 600 assigns for BERT-base, and the next step reads
+    them back; from another thread, while a step runs, it writes a state
+    that step then donates). For callbacks that use the model, not its
+    variables' values, at every step or off the main thread
+    (`Callback._model`, 3.10-3.15)."""
+    return callback._model
+
+
 def current_values(variables):
     """The values `variables` have where the caller runs: inside a
     `StatelessScope` (a JAX training step, whose variables are traced

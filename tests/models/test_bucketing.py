@@ -9,6 +9,7 @@ import pytest
 
 import kbert
 from kbert.models import batching
+from tests import harness
 from tests.harness import TINY
 
 N, T = 12, 32
@@ -665,6 +666,28 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, request, 
     assert runs[1] == {"blocks": K, "shared": None, "packed": 0}[case]
     for got, want in zip(*weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_ahead_compiled_fit_leaves_the_step_state_to_keras(monkeypatch):
+    """The ahead compiler, before every step and in its compiling threads,
+    uses the model without writing the step state into its variables
+    (Keras' `Callback.model` does that on JAX: a write of every variable
+    at each step, and from a compiling thread a state the running step
+    then donates). Keras writes it once per epoch."""
+    from kbert.backend import jax_compile
+
+    monkeypatch.setattr(jax_compile, "enabled", lambda: True)
+    monkeypatch.setattr(batching, "packing_pays", lambda batches: False)
+    monkeypatch.setattr(
+        jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
+    )
+    model, x, y = looping_task()
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    writes = harness.count_state_writes(model)
+    model.fit(x, y, epochs=2, batch_size=4, verbose=0, bucket_lengths=16)
+    assert jax_compile.compile_log(model)  # the ahead compiler ran
+    assert len(writes) <= 2  # 12 steps, 2 epochs
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")

@@ -15,6 +15,7 @@ from kbert.training import (
     fit_resumable,
     latest_checkpoint,
 )
+from tests import harness
 from tests.harness import TINY
 from tests.models.test_pretrainer import batch
 
@@ -178,6 +179,18 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
             verbose=0,
         )
     assert latest_checkpoint(str(tmp_path)).endswith("ckpt-000000002")
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="Keras' JAX loop holds the state")
+def test_resumable_fit_writes_the_state_only_for_checkpoints(tmp_path):
+    """The checkpoint callback's check before each step (an RNG state to
+    restore) does not write the step state into the variables (Keras'
+    `Callback.model` would, at every step); its checkpoints do."""
+    model = _model(0)
+    writes = harness.count_state_writes(model)
+    fit_resumable(model, _make_dataset(_batches()), 8, str(tmp_path), steps_per_checkpoint=4)
+    assert latest_checkpoint(str(tmp_path)).endswith("ckpt-000000008")
+    assert len(writes) <= 4  # 8 steps: a checkpoint and an epoch end at 4 and at 8
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):

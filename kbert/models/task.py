@@ -10,7 +10,7 @@ import keras
 import numpy as np
 
 from kbert import backend
-from kbert.backend import jax_compile, keras_internals
+from kbert.backend import jax_cache, jax_compile, keras_internals
 from kbert.backend import tensorflow as tf_backend
 from kbert.layers.adapters import train_only_adapters
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
@@ -503,6 +503,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         step made without a plan (train_on_batch, ...) runs an unknown
         number of times: `jax_compile.step_options(self, None)`."""
         jax_compile.plan(self, None, (kind,), replace=False)
+        if backend.is_jax():
+            jax_cache.use_compilation_cache()
         making = force or getattr(self, f"{kind}_function") is None
         wrap = jax_compile.first_programs_wrapper(self, kind) if making else None
         with keras_internals.jax_jit_options(self, kind, wrap):

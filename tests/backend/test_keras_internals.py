@@ -40,6 +40,15 @@ def parameters(function):
     return list(inspect.signature(function).parameters)
 
 
+def test_a_callback_holds_its_model_as_model_returns_it():
+    """`callback_model` reads `Callback._model`: the object `Callback.model`
+    returns (after its JAX state sync)."""
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
+    callback = keras.callbacks.Callback()
+    callback.set_model(model)
+    assert keras_internals.callback_model(callback) is model is callback.model
+
+
 def test_private_methods_have_the_expected_signatures():
     from keras.src.trainers.trainer import Trainer
 

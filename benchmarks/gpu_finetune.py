@@ -55,10 +55,11 @@ Systems:
                                      runs under 10,000 steps)
     kbert-jax-cached                 a second run: its programs loaded from
                                      the compilation cache of the task's
-                                     `kbert-jax` run (filled first, untimed,
-                                     where that is not among the systems);
+                                     last `kbert-jax` run (listed before it;
+                                     else of an untimed `kbert-jax` run);
                                      every other JAX run compiles into a
-                                     new, empty cache
+                                     new, empty cache (`cache_entries`: the
+                                     files the cache held after the run)
     hf-eager                         transformers, fast tokenizer, each batch
                                      padded to its longest (its Trainer's
                                      dynamic padding), bf16 autocast
@@ -69,6 +70,7 @@ GPU; compare figures within one invocation. Writes JSON (--out).
 """
 
 import argparse
+import atexit
 import csv
 import json
 import os
@@ -190,18 +192,20 @@ class StepTimes:
         compiled: the second step's begin), the same for step `switch`
         (the first on the step's own program), and the loop's end (the
         device done: Keras reads the metrics back); and the steps per
-        second from `switch` to the loop's end."""
+        second from `switch` to the loop's end (where a step ran after
+        `switch`). The step times are those of the batch-begin hook of this
+        callback, after the ahead compiler's (added after the caller's
+        callbacks) has waited for the step's program."""
         begins = self.begins
         out = {
             "loop_begin": self.begin - start,
             "first_step_dispatched": begins[1] - start if len(begins) > 1 else None,
             "loop_end": self.end - start,
         }
-        if switch is not None and switch + 1 < len(begins):
+        switch = switch or 0
+        if switch + 1 < len(begins):
             out["own_program_dispatched"] = begins[switch + 1] - start
-        if begins:
-            at = begins[min(switch or 0, len(begins) - 1)]
-            out["steps_per_second_after"] = (len(begins) - (switch or 0)) / (self.end - at)
+            out["steps_per_second_after"] = (len(begins) - switch) / (self.end - begins[switch])
         return out
 
 
@@ -562,6 +566,7 @@ def main():
         results["device"] = "unknown"
     caches = {}  # task -> its kbert-jax run's compilation cache
     scratch = tempfile.mkdtemp(prefix="gpu-finetune-")
+    atexit.register(shutil.rmtree, scratch, True)
     for task in args.tasks:
         for system in args.systems:
             backend = system.split("-")[1] if system.startswith("kbert") else "torch"
@@ -579,18 +584,26 @@ def main():
             if system.startswith("kbert-jax"):
                 # kbert's XLA compilation cache: a new, empty one for each
                 # run (compilations timed), but `-cached` loads the programs
-                # of the task's `kbert-jax` run (filled in an untimed run if
-                # that is not among the systems)
-                timeout = args.timeout
+                # of the task's last `kbert-jax` run (or of an untimed one)
+                for name in [k for k in env if k.startswith("JAX_COMPILATION_CACHE")]:
+                    del env[name]  # kbert would keep a JAX cache set by the caller
                 if system != "kbert-jax-cached":
                     env[CACHE_ENV] = tempfile.mkdtemp(prefix="kbert-xla-", dir=scratch)
-                    caches[task] = caches.get(task) if system != "kbert-jax" else env[CACHE_ENV]
+                    if system == "kbert-jax":
+                        caches[task] = env[CACHE_ENV]
                 else:
-                    if not caches.get(task):
+                    if task not in caches:
                         caches[task] = tempfile.mkdtemp(prefix="kbert-xla-", dir=scratch)
                         fill = command[:3] + ["kbert-jax"] + command[4:]
-                        fill_env = dict(env, **{CACHE_ENV: caches[task]})
-                        subprocess.run(fill, env=fill_env, capture_output=True, timeout=timeout)
+                        try:
+                            subprocess.run(
+                                fill,
+                                env=dict(env, **{CACHE_ENV: caches[task]}),
+                                capture_output=True,
+                                timeout=args.timeout,
+                            )
+                        except subprocess.TimeoutExpired:
+                            pass  # `cache_entries` says what it left
                     env[CACHE_ENV] = caches[task]
             begin = time.perf_counter()
             try:
@@ -606,6 +619,8 @@ def main():
             except subprocess.TimeoutExpired:
                 run = {"error": f"timed out after {args.timeout} s"}
             run["process_seconds"] = time.perf_counter() - begin
+            if system == "kbert-jax-cached":
+                run["cache_entries"] = len(os.listdir(env[CACHE_ENV]))
             results["runs"][f"{task}/{system}"] = run
             print(task, system, json.dumps(run)[:400], flush=True)
             if args.out:
@@ -621,7 +636,6 @@ def main():
         ):
             if baseline.get(key) and key in run:
                 run[key.replace("examples_per_second", "vs_hf_eager")] = run[key] / baseline[key]
-    shutil.rmtree(scratch, ignore_errors=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

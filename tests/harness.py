@@ -36,11 +36,13 @@ def count_state_writes(model):
     """A list that records each time a JAX `fit` writes its step state into
     the model's variables (`jax_state_sync` with a state not yet written),
     which costs a write of every variable and a read at the next step."""
+    from kbert.backend import keras_internals
+
     writes = []
     sync = model.jax_state_sync
 
     def counting():
-        if getattr(model, "_jax_state", None) and not model._jax_state_synced:
+        if keras_internals.jax_state_unsynced(model):
             writes.append(True)
         return sync()
 

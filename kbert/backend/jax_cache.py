@@ -10,19 +10,23 @@ them in about a second (JAX's persistent compilation cache, the
 counterpart of torch.compile's on-disk caches; what a second run gains:
 benchmarks/RESULTS.md).
 
-kbert turns JAX's cache on the first time it makes a step function on an
-accelerator (`use_compilation_cache`), in a directory of its own:
+kbert turns JAX's cache on the first time a task makes a step function on
+an accelerator (`use_compilation_cache`), in a directory of its own; the
+setting is JAX's, for the process: every later compilation in it, kbert's
+or not, uses that cache (a program that compiles in under a second is
+not stored, JAX's default):
 
 - `KBERT_COMPILATION_CACHE`: a directory to use instead, or `0` (or
-  `off`, `false`) for no cache;
+  `off`, `false`, `no`) for no cache (`1`, `on`, `true`: the default);
 - the default: `$XDG_CACHE_HOME/kbert/xla`, else `~/.cache/kbert/xla`,
   at most `MAX_BYTES` (least recently used entries removed).
 
 A cache the user configured for JAX (`jax_compilation_cache_dir`,
 `JAX_COMPILATION_CACHE_DIR`) is left as it is. The cache holds machine
-code that JAX loads without checks: a directory that another user owns or
-can write is refused (with a warning), and kbert creates its own with
-permissions 0700. CPU runs are left alone: programs there compile in
+code that JAX loads without checks: a link, or a directory that another
+user owns or can write, or one in a parent another user could rename it
+in, is refused (with a warning); kbert creates its own with permissions
+0700. CPU runs are left alone: programs there compile in
 seconds at most, and JAX's own default (no cache) applies.
 """
 
@@ -36,27 +40,41 @@ from kbert.backend import jax_on_accelerator
 ENV = "KBERT_COMPILATION_CACHE"
 MAX_BYTES = 4 * 2**30  # BERT-base step programs are ~2-5 MB each
 _OFF = {"0", "off", "false", "no"}
+_ON = {"", "1", "on", "true", "yes"}  # the default directory
 _LOCK = threading.Lock()
 _DONE = False
 
 
 def cache_directory():
     """The directory kbert would use (see module doc), or None for none."""
-    value = os.environ.get(ENV)
-    if value is not None:
-        return None if value.strip().lower() in _OFF or not value.strip() else value
+    value = os.environ.get(ENV, "").strip()
+    if value.lower() in _OFF:
+        return None
+    if value.lower() not in _ON:
+        return value
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kbert", "xla")
 
 
 def _safe_directory(path):
-    """Creates `path` (0700) if missing; whether it is the user's own and
-    not writable by anyone else."""
+    """Creates `path` (0700) if missing; whether it is a directory (not a
+    link) the user owns that no one else can write, in parents no one
+    else can rename it in (each the user's or root's, or not writable by
+    others, or sticky)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.stat(path)
-    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or not hasattr(os, "getuid"):
+        return stat.S_ISDIR(info.st_mode)
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return False
-    return not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    parent = os.path.dirname(path)
+    while parent and parent != os.path.dirname(parent):
+        info = os.stat(parent)
+        shared = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if info.st_uid not in (0, os.getuid()) or (shared and not info.st_mode & stat.S_ISVTX):
+            return False
+        parent = os.path.dirname(parent)
+    return True
 
 
 def use_compilation_cache(force=False):
@@ -78,7 +96,7 @@ def use_compilation_cache(force=False):
         path = cache_directory()
         if path is None:
             return None
-        path = os.path.abspath(os.path.expanduser(path))
+        path = os.path.realpath(os.path.expanduser(path))
         try:
             safe = _safe_directory(path)
         except OSError as error:
@@ -86,11 +104,17 @@ def use_compilation_cache(force=False):
             return None
         if not safe:
             warnings.warn(
-                f"kbert: not using {path} as a compilation cache: another user owns it or "
-                f"can write to it (set {ENV} to a directory only you can write, or to 0)"
+                f"kbert: not using {path} as a compilation cache: it is not a directory of "
+                f"yours that only you can write to (set {ENV} to one, or to 0)"
             )
             return None
+        from jax.experimental.compilation_cache import compilation_cache
+
         jax.config.update("jax_compilation_cache_dir", path)
         if getattr(jax.config, "jax_compilation_cache_max_size", None) == -1:  # unbounded
             jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+        # JAX before 0.5 settles its cache at the process's first
+        # compilation (Keras' initializers compile before any step): its
+        # reset makes the next compilation read the directory
+        compilation_cache.reset_cache()
         return path

@@ -481,12 +481,8 @@ class AheadCompiler(keras.callbacks.Callback):
 
     def _log(self, key, loop, begin, traced):
         """Records a compiled program in the model's `compile_log`."""
-        log = getattr(self.owner, "_kbert_compile_log", None)
-        if log is None:
-            log = []
-            object.__setattr__(self.owner, "_kbert_compile_log", log)
         kind, shape = key
-        log.append(
+        self.log.append(
             {
                 "kind": kind,
                 "shape": [int(v) for v in shape],
@@ -498,6 +494,10 @@ class AheadCompiler(keras.callbacks.Callback):
         )
 
     def on_train_begin(self, logs=None):
+        self.log = getattr(self.owner, "_kbert_compile_log", None)
+        if self.log is None:  # made here, on the loop's thread; appended to by the pool's
+            self.log = []
+            object.__setattr__(self.owner, "_kbert_compile_log", self.log)
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
         if len(self.batches) and "train" not in self.structure:
             self.structure["train"] = _structure(self.batches[0])

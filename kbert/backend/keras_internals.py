@@ -148,6 +148,13 @@ def callback_model(callback):
     return callback._model
 
 
+def jax_state_unsynced(model):
+    """Whether Keras' JAX loop holds a step state it has not written into
+    the model's variables yet (`_jax_state`, `_jax_state_synced`,
+    JAXTrainer 3.12-3.15): what `jax_state_sync()` would write."""
+    return bool(getattr(model, "_jax_state", None)) and not model._jax_state_synced
+
+
 def current_values(variables):
     """The values `variables` have where the caller runs: inside a
     `StatelessScope` (a JAX training step, whose variables are traced

@@ -190,7 +190,7 @@ def test_resumable_fit_writes_the_state_only_for_checkpoints(tmp_path):
     writes = harness.count_state_writes(model)
     fit_resumable(model, _make_dataset(_batches()), 8, str(tmp_path), steps_per_checkpoint=4)
     assert latest_checkpoint(str(tmp_path)).endswith("ckpt-000000008")
-    assert len(writes) <= 4  # 8 steps: a checkpoint and an epoch end at 4 and at 8
+    assert len(writes) == 2  # Keras' own, at each epoch's end (before the checkpoint there)
 
 
 def test_checkpoint_from_another_model_is_refused(tmp_path):

@@ -23,10 +23,10 @@ not stored, JAX's default):
 
 A cache the user configured for JAX (`jax_compilation_cache_dir`,
 `JAX_COMPILATION_CACHE_DIR`) is left as it is. The cache holds machine
-code that JAX loads without checks: a link, or a directory that another
-user owns or can write, or one in a parent another user could rename it
-in, is refused (with a warning); kbert creates its own with permissions
-0700. CPU runs are left alone: programs there compile in
+code that JAX loads without checks: the directory is resolved (links
+followed; JAX gets the result), and one that another user owns or can
+write, or that sits in a parent another user could rename it in, is
+refused (with a warning); kbert creates its own with permissions 0700. CPU runs are left alone: programs there compile in
 seconds at most, and JAX's own default (no cache) applies.
 """
 
@@ -57,10 +57,10 @@ def cache_directory():
 
 
 def _safe_directory(path):
-    """Creates `path` (0700) if missing; whether it is a directory (not a
-    link) the user owns that no one else can write, in parents no one
-    else can rename it in (each the user's or root's, or not writable by
-    others, or sticky)."""
+    """Creates `path` (resolved, 0700) if missing; whether it is a
+    directory the user owns that no one else can write, in parents no one
+    else can rename it in (each the user's or root's, and not writable by
+    others unless sticky)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or not hasattr(os, "getuid"):

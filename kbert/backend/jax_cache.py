@@ -26,8 +26,9 @@ A cache the user configured for JAX (`jax_compilation_cache_dir`,
 code that JAX loads without checks: the directory is resolved (links
 followed; JAX gets the result), and one that another user owns or can
 write, or that sits in a parent another user could rename it in, is
-refused (with a warning); kbert creates its own with permissions 0700. CPU runs are left alone: programs there compile in
-seconds at most, and JAX's own default (no cache) applies.
+refused (with a warning); kbert creates its own with permissions 0700.
+CPU runs are left alone: programs there compile in seconds at most, and
+JAX's own default (no cache) applies.
 """
 
 import os

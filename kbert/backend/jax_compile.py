@@ -49,13 +49,13 @@ buckets on host arrays), with the step jitted (not `run_eagerly`, not
 list (a `CallbackList` is used as given).
 """
 
+import collections
 import contextlib
-import functools
 import threading
 import time
 import warnings
 import weakref
-from concurrent.futures import FIRST_COMPLETED, CancelledError, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import keras
@@ -141,6 +141,15 @@ def plan(model, steps, kinds, replace=True):
 # blocks in a loop while the step's own program compiles (module doc).
 FIRST_PROGRAMS = True
 
+# A training shape whose loop program runs gets the step's own program as
+# well when the `fit` runs at least this many steps of it. BERT-base on an
+# H200 (batch 32, 80 tokens, without autotuning): the loop program
+# compiles in 5.7 s and steps in 10.4 ms, the own in 8.6 s and 8.1 ms; the
+# own one traces for 2 s (holding the GIL) and compiles beside the steps,
+# slowing them, so it is ready some 1,000 steps in and repays itself
+# about 1,000 steps later.
+OWN_PROGRAM_MIN_STEPS = 2_000
+
 
 def _shapes(data):
     """What selects a step's program for a batch: its tree structure and
@@ -160,10 +169,12 @@ def _shapes(data):
 class FirstPrograms:
     """Keras' jitted training step (`step`), which runs a batch on the
     programs `AheadCompiler` compiled for it (`programs`: `_shapes` ->
-    [future of the loop program or None, future of the step's own]): the
-    step's own once compiled, until then the loop program. It keeps the
-    step's own programs as long as Keras keeps the step (Keras' jit never
-    ran them: a later `fit` would compile them again on the main thread)."""
+    [future of the loop program or None, future of the step's own or
+    None]): the step's own once compiled, until then (or, for a shape
+    without one, always) the loop program. It keeps the step's own
+    programs, and the loop programs of shapes that have no own, as long as
+    Keras keeps the step (Keras' jit never ran them: a later `fit` would
+    compile them again on the main thread)."""
 
     def __init__(self, step):
         self.step = step
@@ -175,7 +186,7 @@ class FirstPrograms:
         if entry is not None:
             loop, own = entry
             program, looped = None, False
-            if _succeeded(own):
+            if own is not None and _succeeded(own):
                 program = own.result()
             elif loop is not None and _succeeded(loop):
                 program, looped = loop.result(), True
@@ -190,13 +201,16 @@ class FirstPrograms:
         return self.step(state, data)
 
     def forget_loops(self):
-        """Drops the loop programs (a `fit` has ended) and the futures of
-        programs that did not compile."""
+        """A `fit` has ended: drops the loop programs of shapes whose own
+        program compiled or is compiling, and the futures of programs that
+        did not compile."""
         for key, (loop, own) in list(self.programs.items()):
-            if own.done() and not _succeeded(own):
-                del self.programs[key]
-            else:
+            if own is not None and (not own.done() or _succeeded(own)):
                 self.programs[key] = [None, own]
+            elif loop is not None and _succeeded(loop):
+                self.programs[key] = [loop, None]
+            else:
+                del self.programs[key]
 
     def __getattr__(self, name):
         if name == "step":
@@ -362,24 +376,29 @@ class AheadCompiler(keras.callbacks.Callback):
         batches: the training batches (`kbert.models.batching.BucketedBatches`:
             indexable, with `shape_key(index)` and `first_of_each_shape()`).
         validation: the validation `BucketedBatches`, or None.
+        epochs: int. the epochs the `fit` runs.
     """
 
-    def __init__(self, batches, validation=None):
+    def __init__(self, batches, validation=None, epochs=1):
         super().__init__()
         self.batches, self.validation = batches, validation
-        self.pending = {}  # (step kind, shape key) -> Future
-        self.pool = None
+        self.epochs = max(int(epochs), 1)
+        self.begun = 0  # epochs begun
+        self.pending = {}  # (step kind, shape key) -> Future of the step's own program
+        self.first_pending = {}  # (step kind, shape key) -> Future of its loop program
+        self.tracer = self.pool = None
         # JAX caches executables by the traced function, held weakly: the
         # jitted steps live as long as the loop does
         self.steps = {}
         self.structure = {}  # step kind -> `_structure` of its batches
         self.running = {}  # step kind -> shape keys of the steps started last
         self.trace_lock = threading.Lock()  # the model is traced by one thread at a time
-        self.first_traced = threading.Event()
+        # the step's own programs compile once the loop program of the first
+        # batch has (the one the first step waits for)
+        self.gate = threading.Event()
         self.closed = False
         self.warned = False
         self.first = None  # the model's FirstPrograms, when it has first programs
-        self.first_pending = {}  # (step kind, shape key) -> Future of its loop program
         self.shapes = {}  # (step kind, shape key) -> its batches' `_shapes`
 
     @property
@@ -390,96 +409,139 @@ class AheadCompiler(keras.callbacks.Callback):
         every step and in the compiling threads."""
         return keras_internals.callback_model(self)
 
-    def _submit(self, kind, batches, lead=False):
-        """Compiles each shape of `batches` not compiled yet for the `kind`
-        step, in the pool. With `lead`, the first of them traces before
-        any other."""
+    def _schedule(self, key, trace, loop=False, lead=False):
+        """A future of the program of `key`: `trace()` (-> lowered) runs in
+        the tracing thread, in the order scheduled, then the program
+        compiles in the pool; the step's own programs once the gate opens.
+        `lead`: the loop program that opens the gate."""
+        future = Future()
+
+        def compile_program(lowered, begin, traced):
+            try:
+                if not loop:
+                    self.gate.wait()
+                start = time.perf_counter()
+                program = _compile(lowered, loop)
+                self._log(key, loop, begin, traced, start)
+                future.set_result(program)
+            except BaseException as error:  # noqa: BLE001 (the step compiles it)
+                future.set_exception(error)
+            finally:
+                if lead:
+                    self.gate.set()
+
+        def trace_program():
+            if not future.set_running_or_notify_cancel():
+                if lead:
+                    self.gate.set()
+                return
+            try:
+                with self.trace_lock:
+                    self._check_open()
+                    begin = time.perf_counter()
+                    lowered = trace()
+                    traced = time.perf_counter()
+            except BaseException as error:  # noqa: BLE001
+                future.set_exception(error)
+                if lead:
+                    self.gate.set()
+                return
+            try:
+                self.pool.submit(compile_program, lowered, begin, traced)
+            except (RuntimeError, AttributeError):  # the loop has ended: compile here
+                compile_program(lowered, begin, traced)
+
+        self.tracer.submit(trace_program)
+        return future
+
+    def _own_trace(self, kind, spec):
         if kind not in self.steps:
             self.steps[kind] = (
                 keras_internals.jax_step_function(self.model, kind),
                 keras_internals.jax_step_state(self.model, kind),
             )
         step, state = self.steps[kind]
+        return lambda: step.lower(state, spec)
 
-        def compile_shape(spec, first, key):
-            try:
-                if not first:
-                    self.first_traced.wait()
-                with self.trace_lock:
-                    self._check_open()
-                    begin = time.perf_counter()
-                    lowered = step.lower(state, spec)
-                    traced = time.perf_counter()
-            finally:
-                if first:
-                    self.first_traced.set()
-            program = _compile(lowered)
-            self._log(key, False, begin, traced)
-            return program
+    def _loop_trace(self, spec):
+        if "loop" not in self.steps:
+            model = self.owner
+            options = keras_internals.step_compiler_options(model, "train")
+            import jax
 
-        ran = ran_shapes(self.owner, kind)
-        if len(batches) and kind not in self.structure:
-            self.structure[kind] = _structure(batches[0])
-        for index in batches.first_of_each_shape():
-            key = (kind, batches.shape_key(index))
-            if key in self.pending:
-                continue
-            kept = shapes = None
-            if kind == "train" and self.first is not None:  # what FirstPrograms holds
-                shapes = _shapes(batches[index])
-                kept = self.first.programs.get(shapes, (None, None))[1]
-            if kept is not None and not kept.done():  # still compiling, from an earlier fit
-                self.pending[key], self.shapes[key] = kept, shapes
-            elif (kept is None and self._ran_key(key) not in ran) or (
-                kept is not None and not _succeeded(kept)
-            ):
-                first = lead and not self.first_traced.is_set() and not self.pending
-                job = functools.partial(compile_shape, _spec(batches[index]), first, key)
-                self.pending[key] = self.pool.submit(job)
-                if shapes is not None:
-                    self.shapes[key] = shapes
-        if not self.pending:
-            self.first_traced.set()
+            step = jax.jit(_loop_step(model.train_step), donate_argnums=0, compiler_options=options)
+            self.steps["loop"] = (step, keras_internals.jax_step_state(self.model, "train"))
+        step, state = self.steps["loop"]
 
-    def _submit_first(self, batches):
-        """Compiles the loop program of the first batch's shape, tracing
-        before anything else; True if it did."""
+        def trace():
+            with _tracing_layers_in_loop():
+                lowered = step.lower(state, spec)
+                if not getattr(_LOOP, "looped", False):
+                    raise NotLooped()
+            return lowered
+
+        return trace
+
+    def _loops_apply(self, batches):
+        """Whether this fit's training shapes can run on loop programs."""
         model = self.owner
         first = _first_programs(model)
-        if first is None or not len(batches) or not first_programs_apply(model, "train"):
+        if first is None or not first_programs_apply(model, "train"):
             return False
         self.first = first
-        if getattr(batches, "packing", False):  # packed rows do not run the backbone's call
-            return False
-        key = ("train", batches.shape_key(0))
-        if key in self.pending or self._ran_key(key) in ran_shapes(model, "train"):
-            return False
-        options = keras_internals.step_compiler_options(model, "train")
-        import jax
+        return not getattr(batches, "packing", False)  # packed rows skip the backbone's call
 
-        loop = _loop_step(model.train_step)
-        step = jax.jit(loop, donate_argnums=0, compiler_options=options)
-        state = keras_internals.jax_step_state(self.model, "train")
+    def _submit(self, kind, batches, epochs):
+        """Schedules the programs of each shape of `batches` that the `kind`
+        step has none of yet, for a fit of `epochs` more epochs: training
+        shapes a loop program (where the blocks can loop) and, if a fit
+        runs at least `OWN_PROGRAM_MIN_STEPS` steps of it (or it has no
+        loop program), the step's own. Traced in this order: the loop
+        program of the first batch's shape, the other loop programs, the
+        step's own programs (the shapes with the most batches first)."""
+        if not len(batches):
+            return
+        if kind not in self.structure:
+            self.structure[kind] = _structure(batches[0])
+        ran = ran_shapes(self.owner, kind)
+        counts = collections.Counter(batches.shape_key(i) for i in range(len(batches)))
+        firsts = sorted(
+            batches.first_of_each_shape(),
+            key=lambda i: (i != 0, -counts[batches.shape_key(i)], i),
+        )
+        loops = kind == "train" and self._loops_apply(batches)
+        loop_jobs, own_jobs = [], []
+        for index in firsts:
+            key = (kind, batches.shape_key(index))
+            if key in self.pending or key in self.first_pending:
+                continue
+            kept_loop = kept_own = None
+            if kind == "train" and self.first is not None:  # what FirstPrograms holds
+                self.shapes[key] = _shapes(batches[index])
+                kept_loop, kept_own = self.first.programs.get(self.shapes[key], (None, None))
+            if kept_own is not None and _succeeded(kept_own):
+                continue  # compiled in an earlier fit
+            ran_it = self._ran_key(key) in ran  # Keras' step holds the program
+            if kept_own is not None and not kept_own.done():  # still compiling, from an earlier fit
+                self.pending[key] = kept_own
+            elif ran_it:
+                continue
+            elif not loops or counts[key[1]] * epochs >= OWN_PROGRAM_MIN_STEPS:
+                own_jobs.append((key, index))
+            if kept_loop is not None and _succeeded(kept_loop):
+                self.first_pending[key] = kept_loop  # kept from an earlier fit
+            elif loops and not ran_it:
+                loop_jobs.append((key, index))
+        for key, index in loop_jobs:
+            lead = key[1] == batches.shape_key(0) and not self.gate.is_set()
+            trace = self._loop_trace(_spec(batches[index]))
+            self.first_pending[key] = self._schedule(key, trace, loop=True, lead=lead)
+        if kind == "train" and not any(key[1] == batches.shape_key(0) for key, _ in loop_jobs):
+            self.gate.set()  # no loop program for the first step to wait for
+        for key, index in own_jobs:
+            self.pending[key] = self._schedule(key, self._own_trace(kind, _spec(batches[index])))
 
-        def compile_loop(spec):
-            try:
-                with self.trace_lock, _tracing_layers_in_loop():
-                    self._check_open()
-                    begin = time.perf_counter()
-                    lowered = step.lower(state, spec)
-                    traced = time.perf_counter()
-                    if not getattr(_LOOP, "looped", False):
-                        raise NotLooped()
-            finally:
-                self.first_traced.set()
-            program = _compile(lowered, loop=True)
-            self._log(key, True, begin, traced)
-            return program
-
-        self.first_pending[key] = self.pool.submit(compile_loop, _spec(batches[0]))
-        return True
-
-    def _log(self, key, loop, begin, traced):
+    def _log(self, key, loop, begin, traced, start):
         """Records a compiled program in the model's `compile_log`."""
         kind, shape = key
         self.log.append(
@@ -489,7 +551,8 @@ class AheadCompiler(keras.callbacks.Callback):
                 "loop": loop,
                 "trace_begin": begin,
                 "trace_seconds": traced - begin,
-                "compile_seconds": time.perf_counter() - traced,
+                "compile_begin": start,
+                "compile_seconds": time.perf_counter() - start,
             }
         )
 
@@ -498,26 +561,28 @@ class AheadCompiler(keras.callbacks.Callback):
         if self.log is None:  # made here, on the loop's thread; appended to by the pool's
             self.log = []
             object.__setattr__(self.owner, "_kbert_compile_log", self.log)
+        self.tracer = ThreadPoolExecutor(1, thread_name_prefix="kbert-compile-trace")
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
-        if len(self.batches) and "train" not in self.structure:
-            self.structure["train"] = _structure(self.batches[0])
-        first = self._submit_first(self.batches)
-        self._submit("train", self.batches, lead=not first)
+        self._submit("train", self.batches, self.epochs)
         self._offer("train")
         if self.validation is not None:
-            self._submit("test", self.validation)
+            self._submit("test", self.validation, self.epochs)
 
     def _offer(self, kind):
         """Gives the model's `FirstPrograms` the `kind` programs compiling."""
         if self.first is None:
             return
-        for key, own in self.pending.items():
+        for key in {**self.first_pending, **self.pending}:
             if key[0] == kind and key in self.shapes:
-                self.first.programs[self.shapes[key]] = [self.first_pending.get(key), own]
+                self.first.programs[self.shapes[key]] = [
+                    self.first_pending.get(key),
+                    self.pending.get(key),
+                ]
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self.pool is not None:  # shapes a new shuffle of the batches brings
-            self._submit("train", self.batches)
+        self.begun += 1
+        if self.pool is not None and self.begun > 1:  # shapes a new shuffle of the batches brings
+            self._submit("train", self.batches, max(self.epochs - self.begun + 1, 1))
             self._offer("train")
 
     def _wait(self, kind, key):
@@ -552,6 +617,9 @@ class AheadCompiler(keras.callbacks.Callback):
                 wait_futures([loop, own], return_when=FIRST_COMPLETED)
                 if not _succeeded(own) and not self._ready(loop):
                     self._wait(*key)
+            elif loop is not None:
+                if self._ready(loop):
+                    continue  # a step on the loop program: not one of Keras' programs
             else:
                 self._wait(*key)  # the step's own program
             self.running[kind].append(key)
@@ -594,19 +662,20 @@ class AheadCompiler(keras.callbacks.Callback):
             raise CancelledError()
 
     def close(self):
-        """Cancels the compilations not started. Those compiling finish in
-        the background (their programs land in JAX's cache): a short `fit`
-        that ran all its steps on a loop program returns without waiting
-        for its steps' own programs. A trace in progress is waited for, and
-        none starts after this."""
-        self.first_traced.set()  # a cancelled first trace must not hold the others
-        if self.pool is not None:
+        """Cancels the programs not traced yet. Those traced compile in the
+        background (their programs land in JAX's cache): a short `fit` that
+        ran all its steps on loop programs returns without waiting for its
+        steps' own programs. A trace in progress is waited for, and none
+        starts after this."""
+        if self.tracer is not None:
             for future in [*self.first_pending.values(), *self.pending.values()]:
                 future.cancel()
             with self.trace_lock:
                 self.closed = True
+            self.gate.set()  # compiles waiting for a cancelled loop program
+            self.tracer.shutdown(wait=False)
             self.pool.shutdown(wait=False)
-            self.pool = None
+            self.tracer = self.pool = None
         if self.first is not None:
             self.first.forget_loops()
         self.pending, self.steps, self.first_pending = {}, {}, {}

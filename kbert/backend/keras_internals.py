@@ -562,3 +562,55 @@ def jax_step_state(model, kind="train"):
         optimizer_variables=kind == "train",
         metrics_variables=True,
     )
+
+
+# Set on a thread while it traces the gradient half of a split step.
+_GRADIENTS_OUT = threading.local()
+
+
+def jax_split_train_step(model):
+    """Keras' JAX `train_step` as two functions, for programs that compile
+    in parallel: `grads(trainable, non_trainable, optimizer, metrics,
+    data)` -> (logs, gradients, non_trainable, metrics) and `update(
+    trainable, optimizer, gradients)` -> (trainable, optimizer). `update`
+    after `grads` is `train_step` (to float rounding across the program
+    boundary). Relies on `JAXTrainer.train_step` (Keras 3.12-3.15) calling
+    `self.optimizer.stateless_apply(optimizer_variables, grads,
+    trainable_variables)` once and putting its results in the state's
+    trainable and optimizer slots: while `grads` traces, the optimizer
+    hands the gradients back instead (pinned by a test)."""
+    optimizer = model.optimizer
+
+    def grads(trainable, non_trainable, optimizer_values, metrics, data):
+        state = (trainable, non_trainable, optimizer_values, metrics)
+        with _gradients_out(optimizer):
+            logs, state = model.train_step(state, data)
+        return logs, state[0], state[1], state[3]
+
+    def update(trainable, optimizer_values, gradients):
+        return optimizer.stateless_apply(optimizer_values, gradients, trainable)
+
+    return grads, update
+
+
+@contextlib.contextmanager
+def _gradients_out(optimizer):
+    """Within, on this thread, `optimizer.stateless_apply` returns the
+    gradients as the new trainable values and the optimizer's unchanged."""
+    apply = type(optimizer).stateless_apply
+
+    def stateless_apply(optimizer_values, gradients, trainable):
+        if getattr(_GRADIENTS_OUT, "on", False):
+            return list(gradients), optimizer_values
+        return apply(optimizer, optimizer_values, gradients, trainable)
+
+    _GRADIENTS_OUT.on = True
+    object.__setattr__(optimizer, "stateless_apply", stateless_apply)
+    try:
+        yield
+    finally:
+        _GRADIENTS_OUT.on = False
+        try:
+            object.__delattr__(optimizer, "stateless_apply")
+        except AttributeError:
+            pass

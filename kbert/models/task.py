@@ -286,7 +286,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         ):
             # the shapes to come compiled in the background (kbert.backend.jax_compile)
             held_out = validation if isinstance(validation, batching.BucketedBatches) else None
-            ahead = jax_compile.AheadCompiler(a["x"], held_out)
+            ahead = jax_compile.AheadCompiler(a["x"], held_out, epochs)
             a["callbacks"] = jax_compile.with_callback(a["callbacks"], ahead)
             stack.callback(ahead.close)  # also when fit raises
         if distribution.torch_ddp_active():

@@ -622,6 +622,7 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, request, 
 
     K = 3
     monkeypatch.setattr(jax_compile, "enabled", lambda: True)
+    monkeypatch.setattr(jax_compile, "OWN_PROGRAM_MIN_STEPS", 0)  # every shape gets its own
     monkeypatch.setattr(batching, "packing_pays", lambda batches: case == "packed")
     monkeypatch.setattr(
         jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
@@ -704,6 +705,7 @@ def test_jax_fit_returns_before_unneeded_programs_compile(monkeypatch):
     monkeypatch.setattr(
         jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
     )
+    monkeypatch.setattr(jax_compile, "OWN_PROGRAM_MIN_STEPS", 0)
     release, compiling, compiled = threading.Event(), threading.Event(), threading.Event()
     compile_program = jax_compile._compile
 
@@ -737,3 +739,70 @@ def test_jax_fit_returns_before_unneeded_programs_compile(monkeypatch):
     assert "MainThread" not in compiles and jax_compile.first_program_steps(model) == 3
     for got, want in zip(*weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _fast_looping_fit(monkeypatch):
+    from kbert.backend import jax_compile
+
+    monkeypatch.setattr(jax_compile, "enabled", lambda: True)
+    monkeypatch.setattr(batching, "packing_pays", lambda batches: False)
+    monkeypatch.setattr(
+        jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
+    )
+    return jax_compile
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_short_fit_runs_every_shape_on_loop_programs(monkeypatch):
+    """A fit of fewer than `OWN_PROGRAM_MIN_STEPS` steps of each shape
+    compiles loop programs only: one per shape, the last partial batch's
+    too (traced after the first batch's), and runs every step on them; a
+    second fit compiles nothing. The training is that of Keras' step."""
+    jax_compile = _fast_looping_fit(monkeypatch)
+    weights = []
+    for first in (False, True):
+        monkeypatch.setattr(jax_compile, "FIRST_PROGRAMS", first)
+        model, x, y = looping_task()  # 24 examples: 4 batches of 5 and one of 4
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        with step_compiles() as compiles:
+            model.fit(x, y, batch_size=5, epochs=2, verbose=0, bucket_lengths=16)
+            if first:
+                log = sorted(jax_compile.compile_log(model), key=lambda e: e["trace_begin"])
+                assert [(e["shape"], e["loop"]) for e in log] == [([5, 16], True), ([4, 16], True)]
+                assert jax_compile.first_program_steps(model) == 10
+                model.fit(x, y, batch_size=5, verbose=0, bucket_lengths=16)
+                assert len(jax_compile.compile_log(model)) == 2
+                assert jax_compile.first_program_steps(model) == 15
+                model.fit(x, y, batch_size=5, verbose=0, bucket_lengths=16)
+                assert compiles == []  # Keras' step compiled nothing, ahead or not
+            else:
+                model.fit(x, y, batch_size=5, verbose=0, bucket_lengths=16)
+                model.fit(x, y, batch_size=5, verbose=0, bucket_lengths=16)
+        weights.append([np.asarray(v) for v in model.trainable_variables])
+    for got, want in zip(*weights):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_long_fit_compiles_its_main_shape_once_the_first_loop_program_has(monkeypatch):
+    """A shape a fit runs `OWN_PROGRAM_MIN_STEPS` steps of (the full
+    batches here) also gets the step's own program, traced after the loop
+    programs and compiled once the first batch's loop program has (the
+    program the first step waits for); the partial batch keeps its loop
+    program."""
+    jax_compile = _fast_looping_fit(monkeypatch)
+    monkeypatch.setattr(jax_compile, "OWN_PROGRAM_MIN_STEPS", 8)
+    model, x, y = looping_task()
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    model.fit(x, y, batch_size=5, epochs=2, verbose=0, bucket_lengths=16)  # 8 full batches
+    for loop, own in jax_compile._first_programs(model).programs.values():
+        assert (loop is None) != (own is None)  # the own program, else the loop one, kept
+        (own or loop).result(timeout=60)  # compiled (after the fit, if it was short)
+    log = sorted(jax_compile.compile_log(model), key=lambda e: e["trace_begin"])
+    assert [(e["shape"], e["loop"]) for e in log] == [
+        ([5, 16], True),
+        ([4, 16], True),
+        ([5, 16], False),
+    ]
+    lead, own = log[0], log[2]
+    assert own["compile_begin"] >= lead["compile_begin"] + lead["compile_seconds"]

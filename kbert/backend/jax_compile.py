@@ -179,6 +179,7 @@ class FirstPrograms:
     def __init__(self, step):
         self.step = step
         self.programs = {}
+        self.update = None  # future of the update program of the loop programs
         self.steps_run = 0  # steps run on a loop program
 
     def __call__(self, state, data):
@@ -211,6 +212,8 @@ class FirstPrograms:
                 self.programs[key] = [loop, None]
             else:
                 del self.programs[key]
+        if self.update is not None and not _succeeded(self.update):
+            self.update = None
 
     def __getattr__(self, name):
         if name == "step":
@@ -283,14 +286,24 @@ def _compile(lowered, loop=False):
     return lowered.compile()
 
 
-def _loop_step(train_step):
-    """A function of its own for the loop program: JAX caches traces by
-    function, and this one is traced with `layers_in_loop()` on."""
+class SplitProgram:
+    """A loop program: the training step as two programs,
+    `keras_internals.jax_split_train_step`'s gradients (with the blocks in
+    a loop) and then the optimizer's update, which compile side by side
+    (BERT-base on an H200, 80 tokens: 3.0 s, against 6.3 s for the step as
+    one program; its steps 0.5 ms slower) and the update of which serves
+    every shape."""
 
-    def step(state, data):
-        return train_step(state, data)
+    def __init__(self, grads, update):
+        self.grads, self.update = grads, update
 
-    return step
+    def __call__(self, state, data):
+        trainable, non_trainable, optimizer, metrics = state
+        logs, gradients, non_trainable, metrics = self.grads(
+            trainable, non_trainable, optimizer, metrics, data
+        )
+        trainable, optimizer = self.update(trainable, optimizer, gradients)
+        return logs, (trainable, non_trainable, optimizer, metrics)
 
 
 # The programs each model's jitted Keras steps have run: model -> {kind:
@@ -400,6 +413,7 @@ class AheadCompiler(keras.callbacks.Callback):
         self.warned = False
         self.first = None  # the model's FirstPrograms, when it has first programs
         self.shapes = {}  # (step kind, shape key) -> its batches' `_shapes`
+        self.update = None  # future of the loop programs' update program, made here
 
     @property
     def owner(self):
@@ -409,12 +423,14 @@ class AheadCompiler(keras.callbacks.Callback):
         every step and in the compiling threads."""
         return keras_internals.callback_model(self)
 
-    def _schedule(self, key, trace, loop=False, lead=False):
-        """A future of the program of `key`: `trace()` (-> lowered) runs in
-        the tracing thread, in the order scheduled, then the program
-        compiles in the pool; the step's own programs once the gate opens.
-        `lead`: the loop program that opens the gate."""
-        future = Future()
+    def _schedule(self, key, trace, loop=False, lead=False, future=None, update=None):
+        """A future (`future`, or a new one) of the program of `key`:
+        `trace()` (-> lowered) runs in the tracing thread, in the order
+        scheduled, then the program compiles in the pool; the step's own
+        programs once the gate opens. `lead`: the loop program that opens
+        the gate. `update`: the future of the update program this one
+        pairs with (a `SplitProgram`)."""
+        future = Future() if future is None else future
 
         def compile_program(lowered, begin, traced):
             try:
@@ -423,6 +439,8 @@ class AheadCompiler(keras.callbacks.Callback):
                 start = time.perf_counter()
                 program = _compile(lowered, loop)
                 self._log(key, loop, begin, traced, start)
+                if update is not None:
+                    program = SplitProgram(program, update.result())
                 future.set_result(program)
             except BaseException as error:  # noqa: BLE001 (the step compiles it)
                 future.set_exception(error)
@@ -463,24 +481,39 @@ class AheadCompiler(keras.callbacks.Callback):
         step, state = self.steps[kind]
         return lambda: step.lower(state, spec)
 
-    def _loop_trace(self, spec):
+    def _loop_functions(self):
+        """The jitted halves of the loop programs and the state they trace
+        from."""
         if "loop" not in self.steps:
-            model = self.owner
-            options = keras_internals.step_compiler_options(model, "train")
             import jax
 
-            step = jax.jit(_loop_step(model.train_step), donate_argnums=0, compiler_options=options)
-            self.steps["loop"] = (step, keras_internals.jax_step_state(self.model, "train"))
-        step, state = self.steps["loop"]
+            options = keras_internals.step_compiler_options(self.owner, "train")
+            grads, update = keras_internals.jax_split_train_step(self.owner)
+            self.steps["loop"] = (
+                jax.jit(grads, donate_argnums=(1, 3), compiler_options=options),
+                jax.jit(update, donate_argnums=(0, 1), compiler_options=options),
+                keras_internals.jax_step_state(self.model, "train"),
+            )
+        return self.steps["loop"]
+
+    def _loop_trace(self, spec):
+        grads, _, state = self._loop_functions()
 
         def trace():
             with _tracing_layers_in_loop():
-                lowered = step.lower(state, spec)
+                lowered = grads.lower(*state, spec)
                 if not getattr(_LOOP, "looped", False):
                     raise NotLooped()
             return lowered
 
         return trace
+
+    def _update_trace(self):
+        import jax
+
+        _, update, (trainable, _, optimizer, _) = self._loop_functions()
+        gradients = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in trainable]
+        return lambda: update.lower(trainable, optimizer, gradients)
 
     def _loops_apply(self, batches):
         """Whether this fit's training shapes can run on loop programs."""
@@ -532,10 +565,20 @@ class AheadCompiler(keras.callbacks.Callback):
                 self.first_pending[key] = kept_loop  # kept from an earlier fit
             elif loops and not ran_it:
                 loop_jobs.append((key, index))
-        for key, index in loop_jobs:
+        update, new_update = None, False
+        if loop_jobs:  # the update program the loop programs share
+            update = self.first.update
+            if update is None or (update.done() and not _succeeded(update)):
+                update, new_update = Future(), True
+                self.first.update = self.update = update
+        for n, (key, index) in enumerate(loop_jobs):
             lead = key[1] == batches.shape_key(0) and not self.gate.is_set()
             trace = self._loop_trace(_spec(batches[index]))
-            self.first_pending[key] = self._schedule(key, trace, loop=True, lead=lead)
+            self.first_pending[key] = self._schedule(
+                key, trace, loop=True, lead=lead, update=update
+            )
+            if n == 0 and new_update:  # traced second
+                self._schedule((kind, ()), self._update_trace(), loop=True, future=update)
         if kind == "train" and not any(key[1] == batches.shape_key(0) for key, _ in loop_jobs):
             self.gate.set()  # no loop program for the first step to wait for
         for key, index in own_jobs:
@@ -668,7 +711,8 @@ class AheadCompiler(keras.callbacks.Callback):
         steps' own programs. A trace in progress is waited for, and none
         starts after this."""
         if self.tracer is not None:
-            for future in [*self.first_pending.values(), *self.pending.values()]:
+            futures = [*self.first_pending.values(), *self.pending.values(), self.update]
+            for future in filter(None, futures):
                 future.cancel()
             with self.trace_lock:
                 self.closed = True

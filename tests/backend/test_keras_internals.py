@@ -286,3 +286,32 @@ def test_torch_parameters_retracked_after_quantizing_single_layers():
     # Only the current variables: the float kernel the int8 one replaced is gone.
     dtypes = sorted(str(p.dtype) for p in model.torch_params.values())
     assert dtypes == ["torch.float32", "torch.float32", "torch.int8"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_jax_split_train_step_is_keras_train_step(optimizer):
+    """`jax_split_train_step`'s gradients then update give what Keras'
+    `train_step` gives (logs and every state part), and the optimizer is
+    left as it was (no instance override)."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX trainer only")
+    import jax
+
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
+    model.compile(optimizer=optimizer)
+    x, y = tiny_batch(4), np.array([0, 1, 1, 0])
+    x["token_ids"] = np.arange(16, dtype="int32").reshape(4, 4) + 3
+    model.train_on_batch(x, y)  # builds the optimizer and metrics
+    state = keras_internals.jax_step_state(model)
+    grads, update = keras_internals.jax_split_train_step(model)
+    logs, gradients, non_trainable, metrics = jax.jit(grads)(*state, (x, y))
+    trainable, optimizer_values = jax.jit(update)(state[0], state[2], gradients)
+    assert "stateless_apply" not in vars(model.optimizer)
+    want_logs, want = jax.jit(model.train_step)(state, (x, y))
+    np.testing.assert_allclose(float(logs["loss"]), float(want_logs["loss"]), rtol=1e-6)
+    got = (trainable, non_trainable, optimizer_values, metrics)
+    for part, want_part in zip(got, want):
+        assert len(part) == len(want_part)
+        for a, b in zip(part, want_part):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 0 for a, b in zip(got[0], state[0]))

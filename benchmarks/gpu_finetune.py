@@ -267,7 +267,11 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
 
         result["first_program_steps"] = jax_compile.first_program_steps(model)
         result["compile_log"] = [
-            dict(entry, trace_begin=entry["trace_begin"] - built)
+            dict(
+                entry,
+                trace_begin=entry["trace_begin"] - built,
+                compile_begin=entry["compile_begin"] - built,
+            )
             for entry in jax_compile.compile_log(model)
         ]
     result["timeline"] = steps.timeline(built, result.get("first_program_steps"))

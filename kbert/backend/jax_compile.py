@@ -8,9 +8,9 @@ a step of that shape runs, while the accelerator waits. Here, when the
 loop starts (and at each epoch's start, for shapes a new order brings),
 every shape of the coming batches is traced and compiled in background
 threads, side by side and beside the steps (XLA releases the GIL while
-it compiles; tracing holds it, so the traces run one at a time, the
-first shape's first). Before each step the loop waits for its shape's
-compilation if that is still running.
+it compiles; tracing holds it, so the traces run one at a time, in one
+thread). Before each step the loop waits for its shape's compilation if
+that is still running.
 The executables land in JAX's compilation cache, where Keras' own `jit`
 of the same step finds them: the programs, and the numbers, are the ones
 Keras would have compiled.
@@ -29,18 +29,28 @@ some 10,000 to 15,000 steps of that program. `step_options` leaves it
 out of the programs of runs of fewer than `AUTOTUNE_MIN_STEPS` steps
 (`Task.compile(autotune=...)`).
 
-A training program takes 10 to 13 s to compile even so, about 1.5 s per
-encoder block, while the GPU waits. So the first training shape is also
-compiled, first, as a program of the same step with the blocks run as one
-`lax.scan` over their stacked weights (`BertBackbone.call` under
-`layers_in_loop()`): XLA compiles one block instead of twelve (BERT-base
-on an H200: 6 s against 11 s), and its steps cost more (9.0 against
-6.7 ms), so the steps run it only until the step's own program is ready
-(`FirstPrograms`, which then runs the ahead-compiled programs itself).
-Both compute the same step, to float rounding; the state passes from
-one to the other. Only for programs compiled without autotuning (which times
-candidate kernels on the GPU that the first program's steps would be
-using) and backbones whose blocks can loop (`loops_layers`).
+A training program takes 9 to 13 s to compile even so, about 0.5 s per
+encoder block and 3.5 s for the optimizer's update, while the GPU waits.
+So each training shape is also compiled, first, as a loop program
+(`SplitProgram`): the step as two programs that compile side by side,
+the gradients with the blocks run as one `lax.scan` over their stacked
+weights (`BertBackbone.call` under `layers_in_loop()`: XLA compiles one
+block instead of twelve) and the optimizer's update, one program for
+every shape (`keras_internals.jax_split_train_step`). BERT-base on an
+H200, 80 tokens: 3.0 s to compile against 9.1 s for the step's own
+program, and 10.9 against 8.0 ms a step. The steps run the loop
+programs (`FirstPrograms`, which runs the ahead-compiled programs
+itself), and switch to the step's own program once it is compiled, for
+the shapes a `fit` runs `OWN_PROGRAM_MIN_STEPS` steps of or more; a
+shorter `fit`, and the last partial batch of any, never compiles it.
+All compute the same step, to float rounding; the state passes from one
+to the other. The loop programs trace first (the first batch's shape
+first), then the own programs (the shapes with the most batches first),
+one at a time in one thread; the own programs compile once the first
+batch's loop program has, so that they do not slow the compilation the
+first step waits for. Only for programs compiled without autotuning
+(which times candidate kernels on the GPU that the loop programs' steps
+would be using) and backbones whose blocks can loop (`loops_layers`).
 
 Only for batches whose shapes are known in advance (kbert's length
 buckets on host arrays), with the step jitted (not `run_eagerly`, not
@@ -51,6 +61,7 @@ list (a `CallbackList` is used as given).
 
 import collections
 import contextlib
+import sys
 import threading
 import time
 import warnings
@@ -83,7 +94,7 @@ FAST_COMPILE_OPTIONS = {
 }
 
 
-# Set in a thread while it traces a step's first program: the backbone
+# Set in a thread while it traces a loop program's gradients: the backbone
 # runs its blocks as one loop (`BertBackbone.call`).
 _LOOP = threading.local()
 
@@ -105,6 +116,37 @@ def _tracing_layers_in_loop():
         yield
     finally:
         _LOOP.on = False
+
+
+# While a trace runs (0.5 to 2.5 s of Python holding the GIL, beside the
+# steps when the programs load from the compilation cache), Python
+# switches threads every this many seconds instead of its default 5 ms:
+# the loop's thread, which gives the GIL up and takes it back many times
+# a step, waits less for it.
+TRACE_SWITCH_INTERVAL = 0.0005
+_SWITCH_LOCK = threading.Lock()
+_SWITCH = {"traces": 0, "saved": None, "set": None}
+
+
+@contextlib.contextmanager
+def _switching_often():
+    """Within (on any number of threads at once): Python's thread switch
+    interval at most `TRACE_SWITCH_INTERVAL`; restored when the last
+    leaves, unless someone else changed it meanwhile."""
+    with _SWITCH_LOCK:
+        if _SWITCH["traces"] == 0:
+            _SWITCH["saved"] = sys.getswitchinterval()
+            if _SWITCH["saved"] > TRACE_SWITCH_INTERVAL:
+                sys.setswitchinterval(TRACE_SWITCH_INTERVAL)
+            _SWITCH["set"] = sys.getswitchinterval()
+        _SWITCH["traces"] += 1
+    try:
+        yield
+    finally:
+        with _SWITCH_LOCK:
+            _SWITCH["traces"] -= 1
+            if _SWITCH["traces"] == 0 and sys.getswitchinterval() == _SWITCH["set"]:
+                sys.setswitchinterval(_SWITCH["saved"])
 
 
 def step_options(model, steps):
@@ -141,13 +183,12 @@ def plan(model, steps, kinds, replace=True):
 # blocks in a loop while the step's own program compiles (module doc).
 FIRST_PROGRAMS = True
 
-# A training shape whose loop program runs gets the step's own program as
-# well when the `fit` runs at least this many steps of it. BERT-base on an
-# H200 (batch 32, 80 tokens, without autotuning): the loop program
-# compiles in 5.7 s and steps in 10.4 ms, the own in 8.6 s and 8.1 ms; the
-# own one traces for 2 s (holding the GIL) and compiles beside the steps,
-# slowing them, so it is ready some 1,000 steps in and repays itself
-# about 1,000 steps later.
+# A training shape gets the step's own program as well as its loop
+# program when the `fit` runs at least this many steps of it. BERT-base
+# SST-2 on an H200 (batch 32, 80 tokens): the own program traces for 2.5
+# s, compiles for 13 s beside the steps (9 s alone) and is ready after
+# about 1,050 of the 2,105 steps; the epoch took 30.0 s with it, and at
+# the loop programs' 10.9 ms a step would have taken about 31.7 s without.
 OWN_PROGRAM_MIN_STEPS = 2_000
 
 
@@ -253,8 +294,10 @@ def first_program_steps(model):
 
 def compile_log(model):
     """The step programs the ahead compiler compiled for `model`, in the
-    order they finished: step kind, shape key, whether a loop program,
-    `trace_begin` (`time.perf_counter()`), seconds tracing and compiling."""
+    order they finished: step kind, shape key (empty for the loop
+    programs' update), whether part of a loop program, `trace_begin` and
+    `compile_begin` (`time.perf_counter()`), seconds tracing and
+    compiling."""
     return list(getattr(model, "_kbert_compile_log", None) or ())
 
 
@@ -454,7 +497,7 @@ class AheadCompiler(keras.callbacks.Callback):
                     self.gate.set()
                 return
             try:
-                with self.trace_lock:
+                with self.trace_lock, _switching_often():
                     self._check_open()
                     begin = time.perf_counter()
                     lowered = trace()

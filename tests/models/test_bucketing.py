@@ -812,3 +812,36 @@ def test_jax_long_fit_compiles_its_main_shape_once_the_first_loop_program_has(mo
     lead, update, own = log[0], log[1], log[3]
     for first in (lead, update):  # the first step's programs compiled first
         assert own["compile_begin"] >= first["compile_begin"] + first["compile_seconds"]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_traces_switch_threads_often_and_leave_the_interval_as_it_was(monkeypatch):
+    """While the ahead compiler traces, Python switches threads every
+    `TRACE_SWITCH_INTERVAL` (the loop's thread waits less for the GIL);
+    after the fit the interval is the caller's again."""
+    import sys
+
+    jax_compile = _fast_looping_fit(monkeypatch)
+    seen = []
+    loop_trace = jax_compile.AheadCompiler._loop_trace
+
+    def recording(self, spec):
+        trace = loop_trace(self, spec)
+
+        def traced():
+            seen.append(sys.getswitchinterval())
+            return trace()
+
+        return traced
+
+    monkeypatch.setattr(jax_compile.AheadCompiler, "_loop_trace", recording)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        model, x, y = looping_task()
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        model.fit(x, y, batch_size=5, verbose=0, bucket_lengths=16)
+        assert seen and all(v == pytest.approx(jax_compile.TRACE_SWITCH_INTERVAL) for v in seen)
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)

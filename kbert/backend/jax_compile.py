@@ -41,8 +41,9 @@ H200, 80 tokens: 3.0 s to compile against 9.1 s for the step's own
 program, and 10.9 against 8.0 ms a step. The steps run the loop
 programs (`FirstPrograms`, which runs the ahead-compiled programs
 itself), and switch to the step's own program once it is compiled, for
-the shapes a `fit` runs `OWN_PROGRAM_MIN_STEPS` steps of or more; a
-shorter `fit`, and the last partial batch of any, never compiles it.
+the shapes a `fit` runs `OWN_PROGRAM_MIN_STEPS` steps of or more (over
+all its epochs); the others, such as a last partial batch, run on their
+loop program only.
 All compute the same step, to float rounding; the state passes from one
 to the other. The loop programs trace first (the first batch's shape
 first), then the own programs (the shapes with the most batches first),
@@ -236,6 +237,8 @@ class FirstPrograms:
                 try:  # a mismatch (structure, shapes, placement) raises before donating
                     out = program(state, data)
                 except (TypeError, ValueError):
+                    if _any_deleted(state):  # raised after donating (a SplitProgram's update)
+                        raise
                     self.programs.pop(_shapes(data), None)
                     return self.step(state, data)
                 self.steps_run += looped
@@ -260,6 +263,16 @@ class FirstPrograms:
         if name == "step":
             raise AttributeError(name)
         return getattr(self.step, name)
+
+
+def _any_deleted(tree):
+    """Whether an array of `tree` was donated (or deleted)."""
+    import jax
+
+    return any(
+        getattr(leaf, "is_deleted", None) is not None and leaf.is_deleted()
+        for leaf in jax.tree_util.tree_leaves(tree)
+    )
 
 
 def _succeeded(future):
@@ -479,6 +492,8 @@ class AheadCompiler(keras.callbacks.Callback):
             try:
                 if not loop:
                     self.gate.wait()
+                if update is not None and update.cancelled():  # the loop has ended
+                    raise CancelledError()
                 start = time.perf_counter()
                 program = _compile(lowered, loop)
                 self._log(key, loop, begin, traced, start)
@@ -573,9 +588,12 @@ class AheadCompiler(keras.callbacks.Callback):
         shapes a loop program (where the blocks can loop) and, if a fit
         runs at least `OWN_PROGRAM_MIN_STEPS` steps of it (or it has no
         loop program), the step's own. Traced in this order: the loop
-        program of the first batch's shape, the other loop programs, the
+        program of the first batch's shape, the update program the loop
+        programs share (once per model), the other loop programs, the
         step's own programs (the shapes with the most batches first)."""
         if not len(batches):
+            if kind == "train":
+                self.gate.set()
             return
         if kind not in self.structure:
             self.structure[kind] = _structure(batches[0])
@@ -701,7 +719,9 @@ class AheadCompiler(keras.callbacks.Callback):
             loop, own = self.first_pending.get(key), self.pending.get(key)
             if loop is not None and own is not None:  # whichever compiles first
                 wait_futures([loop, own], return_when=FIRST_COMPLETED)
-                if not _succeeded(own) and not self._ready(loop):
+                if not _succeeded(own):
+                    if self._ready(loop):
+                        continue  # a step on the loop program
                     self._wait(*key)
             elif loop is not None:
                 if self._ready(loop):
@@ -748,11 +768,12 @@ class AheadCompiler(keras.callbacks.Callback):
             raise CancelledError()
 
     def close(self):
-        """Cancels the programs not traced yet. Those traced compile in the
-        background (their programs land in JAX's cache): a short `fit` that
-        ran all its steps on loop programs returns without waiting for its
-        steps' own programs. A trace in progress is waited for, and none
-        starts after this."""
+        """Cancels the programs not traced yet (and the loop programs whose
+        update program was not). Those traced compile in the background
+        (their programs land in JAX's cache): a short `fit` that ran all
+        its steps on loop programs returns without waiting for its steps'
+        own programs. A trace in progress is waited for, and none starts
+        after this."""
         if self.tracer is not None:
             futures = [*self.first_pending.values(), *self.pending.values(), self.update]
             for future in filter(None, futures):

@@ -566,6 +566,8 @@ def jax_step_state(model, kind="train"):
 
 # Set on a thread while it traces the gradient half of a split step.
 _GRADIENTS_OUT = threading.local()
+_GRADIENTS_LOCK = threading.Lock()
+_GRADIENTS_USERS = {}  # id(optimizer) -> threads within `_gradients_out`
 
 
 def jax_split_train_step(model):
@@ -596,21 +598,28 @@ def jax_split_train_step(model):
 @contextlib.contextmanager
 def _gradients_out(optimizer):
     """Within, on this thread, `optimizer.stateless_apply` returns the
-    gradients as the new trainable values and the optimizer's unchanged."""
-    apply = type(optimizer).stateless_apply
+    gradients as the new trainable values and the optimizer's unchanged
+    (an override on the optimizer while any thread is within; other
+    threads get the real update)."""
+    with _GRADIENTS_LOCK:
+        users = _GRADIENTS_USERS.get(id(optimizer), 0)
+        if not users:
+            apply = type(optimizer).stateless_apply
 
-    def stateless_apply(optimizer_values, gradients, trainable):
-        if getattr(_GRADIENTS_OUT, "on", False):
-            return list(gradients), optimizer_values
-        return apply(optimizer, optimizer_values, gradients, trainable)
+            def stateless_apply(optimizer_values, gradients, trainable):
+                if getattr(_GRADIENTS_OUT, "on", False):
+                    return list(gradients), optimizer_values
+                return apply(optimizer, optimizer_values, gradients, trainable)
 
+            object.__setattr__(optimizer, "stateless_apply", stateless_apply)
+        _GRADIENTS_USERS[id(optimizer)] = users + 1
     _GRADIENTS_OUT.on = True
-    object.__setattr__(optimizer, "stateless_apply", stateless_apply)
     try:
         yield
     finally:
         _GRADIENTS_OUT.on = False
-        try:
-            object.__delattr__(optimizer, "stateless_apply")
-        except AttributeError:
-            pass
+        with _GRADIENTS_LOCK:
+            _GRADIENTS_USERS[id(optimizer)] -= 1
+            if not _GRADIENTS_USERS[id(optimizer)]:
+                del _GRADIENTS_USERS[id(optimizer)]
+                object.__delattr__(optimizer, "stateless_apply")

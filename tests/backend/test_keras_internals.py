@@ -288,7 +288,7 @@ def test_torch_parameters_retracked_after_quantizing_single_layers():
     assert dtypes == ["torch.float32", "torch.float32", "torch.int8"]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "loss_scale"])
 def test_jax_split_train_step_is_keras_train_step(optimizer):
     """`jax_split_train_step`'s gradients then update give what Keras'
     `train_step` gives (logs and every state part), and the optimizer is
@@ -297,6 +297,8 @@ def test_jax_split_train_step_is_keras_train_step(optimizer):
         pytest.skip("the JAX trainer only")
     import jax
 
+    if optimizer == "loss_scale":  # scaled gradients out, unscaled and checked in the update
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.AdamW())
     model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
     model.compile(optimizer=optimizer)
     x, y = tiny_batch(4), np.array([0, 1, 1, 0])

@@ -845,3 +845,32 @@ def test_jax_traces_switch_threads_often_and_leave_the_interval_as_it_was(monkey
         assert sys.getswitchinterval() == pytest.approx(0.004)
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_fit_runs_on_a_loop_program_while_an_earlier_fits_own_program_compiles(
+    monkeypatch, request
+):
+    """A fit whose steps all ran on the loop program, its own program still
+    compiling, leaves the shape unmarked: the next fit compiles a loop
+    program again rather than wait for the own one."""
+    import threading
+
+    jax_compile = _fast_looping_fit(monkeypatch)
+    monkeypatch.setattr(jax_compile, "OWN_PROGRAM_MIN_STEPS", 0)
+    release = threading.Event()
+    request.addfinalizer(release.set)
+    compile_program = jax_compile._compile
+
+    def held_own_programs(lowered, loop=False):
+        if not loop:
+            release.wait(60)
+        return compile_program(lowered, loop)
+
+    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
+    model, x, y = looping_task()
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    model.fit(x, y, batch_size=8, verbose=0, bucket_lengths=16)
+    assert jax_compile.first_program_steps(model) == 3
+    model.fit(x, y, batch_size=8, verbose=0, bucket_lengths=16)
+    assert jax_compile.first_program_steps(model) == 6  # the own program is still held

@@ -63,6 +63,33 @@ def test_qa_features_use_doc_stride_and_mark_answers(backbone, preprocessor):
         ).prepare_features(QUESTIONS, CONTEXTS)
 
 
+def test_qa_features_tokenize_each_distinct_context_once(backbone, preprocessor, monkeypatch):
+    """Questions on the same context (SQuAD has about five per context) get
+    the features each would alone; the context is tokenized once."""
+    qa = kbert.BertQuestionAnswerer(backbone, preprocessor, doc_stride=4, max_query_length=4)
+    questions = ["where is the cat", "what is the cat on", "what is paris"]
+    contexts = [CONTEXTS[0], CONTEXTS[0], CONTEXTS[1]]
+    alone = [qa.prepare_features([q], [c]) for q, c in zip(questions, contexts)]
+    tokenizer = preprocessor.tokenizer
+    calls = []
+    tokenize = tokenizer.tokenize_with_offsets
+
+    def counted(text):
+        calls.append(text)
+        return tokenize(text)
+
+    monkeypatch.setattr(tokenizer, "tokenize_with_offsets", counted)
+    together = qa.prepare_features(questions, contexts)
+    assert calls == [CONTEXTS[0], CONTEXTS[1]]
+    for name in ("token_starts", "token_ends", "context_mask"):
+        np.testing.assert_array_equal(
+            getattr(together, name), np.concatenate([getattr(f, name) for f in alone])
+        )
+    for key in together.x:
+        np.testing.assert_array_equal(together.x[key], np.concatenate([f.x[key] for f in alone]))
+    assert together.example_index.tolist() == [0, 0, 1, 1, 2]
+
+
 def test_qa_postprocessing_picks_best_valid_span(backbone, preprocessor):
     qa = kbert.BertQuestionAnswerer(backbone, preprocessor, max_answer_length=3)
     f = qa.prepare_features(QUESTIONS[1:], CONTEXTS[1:])

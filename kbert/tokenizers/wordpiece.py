@@ -22,6 +22,7 @@ runs in the Rust `tokenizers` engine on the pre-split words. The tf.data path
 (`tf_tokenize`) uses the same character classes as RE2 patterns.
 """
 
+import itertools
 import json
 import os
 import re
@@ -460,6 +461,8 @@ class BertTokenizer:
         token_ids = np.full((batch, sequence_length), self.pad_id, "int32")
         segment_ids = np.zeros((batch, sequence_length), "int32")
         padding_mask = np.zeros((batch, sequence_length), "int32")
+        if second is None and batch:
+            return self._pack_single(first, sequence_length, token_ids, segment_ids, padding_mask)
         for row in range(batch):
             a = list(first[row])
             b = list(second[row]) if second is not None else None
@@ -472,6 +475,22 @@ class BertTokenizer:
             token_ids[row, : len(ids)] = ids
             segment_ids[row, : len(ids)] = segments
             padding_mask[row, : len(ids)] = 1
+        return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
+
+    def _pack_single(self, first, sequence_length, token_ids, segment_ids, padding_mask):
+        """`pack` of single segments, with array operations: each row's
+        first T - 2 ids between [CLS] and [SEP]."""
+        batch = len(first)
+        lengths = np.fromiter(map(len, first), np.int64, batch)
+        flat = np.fromiter(itertools.chain.from_iterable(first), np.int64, int(lengths.sum()))
+        kept = np.minimum(lengths, sequence_length - 2)
+        rows = np.repeat(np.arange(batch), lengths)
+        columns = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        inside = columns < kept[rows]
+        token_ids[rows[inside], columns[inside] + 1] = flat[inside]
+        token_ids[:, 0] = self.cls_id
+        token_ids[np.arange(batch), kept + 1] = self.sep_id
+        padding_mask[np.arange(sequence_length)[None, :] < (kept + 2)[:, None]] = 1
         return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
 
     def __call__(self, texts, pairs=None, sequence_length=128):

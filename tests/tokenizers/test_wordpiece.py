@@ -147,6 +147,28 @@ def test_long_word_is_unknown_by_characters(uncased, rules, limit):
     assert tok.tf_tokenize(words).to_list() == tok.tokenize(words)
 
 
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(st.lists(st.integers(5, 999), max_size=12), max_size=6),
+    length=st.integers(2, 10),
+    as_arrays=st.booleans(),
+)
+def test_single_segment_packing_is_cls_ids_sep_then_padding(uncased, rows, length, as_arrays):
+    """Each row: [CLS], its first T - 2 ids, [SEP], then [PAD]; segment 0; the
+    mask on the real tokens (empty rows, rows cut, rows given as arrays)."""
+    first = [np.asarray(r, "int32") for r in rows] if as_arrays else rows
+    out = uncased.pack(first, sequence_length=length)
+    assert all(out[k].shape == (len(rows), length) and out[k].dtype == np.int32 for k in out)
+    for row, ids in enumerate(rows):
+        want = [uncased.cls_id] + list(ids[: length - 2]) + [uncased.sep_id]
+        pad = [uncased.pad_id] * (length - len(want))
+        assert out["token_ids"][row].tolist() == want + pad
+        assert out["padding_mask"][row].tolist() == [1] * len(want) + [0] * len(pad)
+        assert not out["segment_ids"][row].any()
+
+
 def test_pair_packing(uncased):
     out = uncased(["hello world"], ["how are you"], sequence_length=12)
     tokens = [uncased.id_to_token(i) for i in out["token_ids"][0]]

@@ -332,6 +332,103 @@ def first_programs_wrapper(model, kind):
     return wrap
 
 
+class AheadPredict:
+    """Keras' jitted predict step (`step`), which runs a batch on the
+    program compiled ahead for its shape (`programs`: `_shapes` -> future,
+    `compile_predict_ahead`), else as Keras would. Kept on the model as
+    Keras keeps its step, with the programs."""
+
+    def __init__(self, step):
+        self.step = step
+        self.programs = {}
+
+    def __call__(self, state, data):
+        future = self.programs.get(_shapes(data)) if self.programs else None
+        if future is not None:
+            try:
+                program = future.result()
+            except Exception:  # noqa: BLE001 (the step compiles it)
+                self.programs.pop(_shapes(data), None)
+                return self.step(state, data)
+            try:  # a mismatch raises before donating
+                return program(state, data)
+            except (TypeError, ValueError):
+                if _any_deleted(state):
+                    raise
+                self.programs.pop(_shapes(data), None)
+        return self.step(state, data)
+
+    def __getattr__(self, name):
+        if name == "step":
+            raise AttributeError(name)
+        return getattr(self.step, name)
+
+
+def predict_wrapper(model, kind):
+    """For `Task._make_step`: a function wrapping Keras' jitted predict
+    step in an `AheadPredict` (kept on the model), on a GPU or TPU; or
+    None."""
+    if kind != "predict":
+        return None
+    object.__setattr__(model, "_kbert_ahead_predict", None)  # a new step, plain
+    if not enabled():
+        return None
+
+    def wrap(step):
+        programs = AheadPredict(step)
+        object.__setattr__(model, "_kbert_ahead_predict", programs)
+        return programs
+
+    return wrap
+
+
+def compile_predict_ahead(model, batches):
+    """Traces (one at a time, in batch order) and compiles (side by side)
+    in background threads the predict programs of the shapes of `batches`
+    (`BucketedBatches`) that `model`'s predict step has none of: Keras
+    would compile them one after the other as the batches reach them,
+    while the accelerator waits. Only where the step is an `AheadPredict`
+    (`predict_wrapper`; Keras' jitted step, with compiler options)."""
+    programs = getattr(model, "_kbert_ahead_predict", None)
+    if programs is None or model.predict_function is None or not len(batches):
+        return
+    jobs = []
+    for index in batches.first_of_each_shape():
+        key = _shapes(batches[index])
+        if key not in programs.programs:
+            programs.programs[key] = Future()
+            jobs.append((programs.programs[key], _spec(batches[index])))
+    if not jobs:
+        return
+    state = keras_internals.jax_step_state(model, "predict")
+    step = programs.step
+    pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
+
+    def compile_program(future, lowered):
+        try:
+            future.set_result(_compile(lowered))
+        except BaseException as error:  # noqa: BLE001
+            future.set_exception(error)
+
+    def trace_all():
+        try:
+            for future, spec in jobs:
+                future.set_running_or_notify_cancel()
+                try:
+                    with _switching_often():
+                        lowered = step.lower(state, spec)
+                except BaseException as error:  # noqa: BLE001
+                    future.set_exception(error)
+                    continue
+                pool.submit(compile_program, future, lowered)
+        finally:
+            pool.shutdown(wait=False)
+
+    tracer = ThreadPoolExecutor(1, thread_name_prefix="kbert-compile-trace")
+    tracer.submit(trace_all)
+    tracer.shutdown(wait=False)
+
+
 class NotLooped(Exception):
     """The step traced for a loop program does not loop its blocks (e.g.
     rows packing several examples): it would be the step's own program."""

@@ -553,9 +553,12 @@ def jax_jit_options(model, kind, wrap=None):
 def jax_step_state(model, kind="train"):
     """The state Keras' JAX `fit` passes its jitted `train_step` ("train")
     or `test_step` ("test"): (trainable, non-trainable, optimizer,
-    metrics) variable values, without the optimizer's for "test"
+    metrics) variable values, without the optimizer's for "test"; and
+    `predict` its predict step ("predict"): (trainable, non-trainable)
     (`JAXTrainer._get_jax_state`, Keras 3.12-3.15). Can go with
     `jax_step_function`."""
+    if kind == "predict":
+        return model._get_jax_state(trainable_variables=True, non_trainable_variables=True)
     return model._get_jax_state(
         trainable_variables=True,
         non_trainable_variables=True,

@@ -366,6 +366,10 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
 
     def _predict_bucketed(self, x, batch_size, multiple):
         batches = batching.BucketedBatches(x, batch_size=batch_size, sort=True, multiple=multiple)
+        if backend.is_jax() and self.jit_compile and not self.run_eagerly:
+            # each bucket's program compiled ahead, side by side (on a GPU or TPU)
+            self.make_predict_function()
+            jax_compile.compile_predict_ahead(self, batches)
         full = batches.full
         # consecutive batches of one bucket length run as one Keras predict
         groups, rows = [], []
@@ -506,7 +510,11 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         if backend.is_jax():
             jax_cache.use_compilation_cache()
         making = force or getattr(self, f"{kind}_function") is None
-        wrap = jax_compile.first_programs_wrapper(self, kind) if making else None
+        wrap = None
+        if making:
+            wrap = jax_compile.first_programs_wrapper(self, kind) or jax_compile.predict_wrapper(
+                self, kind
+            )
         with keras_internals.jax_jit_options(self, kind, wrap):
             return make(force)
 

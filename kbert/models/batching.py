@@ -43,6 +43,10 @@ MULTIPLE = 16
 # JAX on a GPU or TPU compiles each length for seconds: `predict` there
 # buckets to multiples of 64 (two programs for T = 128).
 ACCELERATOR_MULTIPLE = 64
+# ... except `predict` on host arrays, whose bucket programs compile ahead,
+# side by side (`kbert.backend.jax_compile.compile_predict_ahead`): 32
+# (SST-2 on an H200, benchmarks/RESULTS.md: faster first and later calls).
+ACCELERATOR_PREDICT_MULTIPLE = 32
 # Inputs with a token axis (the last): cut to the bucket length.
 TOKEN_INPUTS = ("token_ids", "segment_ids", "padding_mask")
 # Chunk size, in batches, inside which `group_by_length` sorts.
@@ -69,6 +73,15 @@ def default_multiple(model=None):
     if jax_on_accelerator():
         return ACCELERATOR_MULTIPLE
     return MULTIPLE if compiles_per_shape(model) else 1
+
+
+def predict_multiple(model=None):
+    """The multiple `bucket_lengths=True` means in `predict`:
+    `ACCELERATOR_PREDICT_MULTIPLE` for JAX on a GPU or TPU, elsewhere
+    `default_multiple(model)`."""
+    if jax_on_accelerator():
+        return ACCELERATOR_PREDICT_MULTIPLE
+    return default_multiple(model)
 
 
 def training_multiple(model, x):

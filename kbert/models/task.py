@@ -339,13 +339,14 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
 
         Inputs are checked first. With `bucket_lengths`, host inputs run in
         length order, each batch cut to its longest sequence rounded up to
-        a multiple of 16 (64 on JAX with a GPU or TPU, where a compilation
-        costs seconds), and come back in input order (per-token outputs
-        padded back to the input length): the same numbers as full-length
+        a multiple of 16 (on JAX with a GPU or TPU 32, where each bucket's
+        program compiles ahead, side by side; `tf.data` batches 64), and
+        come back in input order (per-token outputs padded back to the
+        input length): the same numbers as full-length
         padding (padding is masked), several times faster on short texts,
         and a compiled backend compiles once per bucket, not once per length.
         """
-        bucket_lengths = _multiple(bucket_lengths, self)
+        bucket_lengths = _multiple(bucket_lengths, self, predicting=not raw_text.is_tf_dataset(x))
         x, _ = raw_text.convert(self, x, None, with_targets=False)
         x = self._prepare_inputs(x, 0 if self.token_outputs else bucket_lengths)
         jax_compile.plan(self, _steps(x, batch_size, steps), ("predict",))
@@ -551,13 +552,16 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             self.optimizer.build(self.trainable_variables)
 
 
-def _multiple(bucket_lengths, model=None, training_inputs=None):
+def _multiple(bucket_lengths, model=None, training_inputs=None, predicting=False):
     """`bucket_lengths` (True, False or a multiple) -> the multiple, 0 for off.
     With `training_inputs` (`fit`, `evaluate`), True is
-    `batching.training_multiple` of them."""
+    `batching.training_multiple` of them; `predicting`,
+    `batching.predict_multiple`."""
     if bucket_lengths is True:
         if training_inputs is not None:
             return batching.training_multiple(model, training_inputs)
+        if predicting:
+            return batching.predict_multiple(model)
         return batching.default_multiple(model)
     if bucket_lengths is False or bucket_lengths is None:
         return 0

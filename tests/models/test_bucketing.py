@@ -281,11 +281,14 @@ def test_jax_on_an_accelerator_fits_one_shape(monkeypatch):
     model.train_step = train_step
     model.fit(short, y, batch_size=4, epochs=1, verbose=0)
     assert set(lengths) <= {16, None}  # None: one TF trace of unknown length
-    # predict there: buckets of 64 (fewer compilations than 16)
+    # tf.data batches and predict_on_batch there: buckets of 64 (fewer compilations)
     assert batching.default_multiple(model) == batching.ACCELERATOR_MULTIPLE == 64
+    # predict on host arrays, its programs compiled ahead: buckets of 32
+    assert batching.predict_multiple(model) == batching.ACCELERATOR_PREDICT_MULTIPLE == 32
     monkeypatch.setattr(batching, "jax_on_accelerator", lambda: False)
     assert batching.training_multiple(model, short) == batching.default_multiple(model)
     assert batching.default_multiple(model) in (1, batching.MULTIPLE)
+    assert batching.predict_multiple(model) == batching.default_multiple(model)
 
 
 def test_default_multiple_follows_what_a_new_length_costs():

@@ -392,15 +392,18 @@ def compile_predict_ahead(model, batches):
     programs = getattr(model, "_kbert_ahead_predict", None)
     if programs is None or model.predict_function is None or not len(batches):
         return
-    jobs = []
+    new = {}
     for index in batches.first_of_each_shape():
         key = _shapes(batches[index])
-        if key not in programs.programs:
-            programs.programs[key] = Future()
-            jobs.append((programs.programs[key], _spec(batches[index])))
-    if not jobs:
+        if key not in programs.programs and key not in new:
+            new[key] = _spec(batches[index])
+    if not new:
         return
-    state = keras_internals.jax_step_state(model, "predict")
+    state = keras_internals.jax_step_state(model, "predict")  # before any future exists
+    jobs = []
+    for key, spec in new.items():
+        programs.programs[key] = Future()
+        jobs.append((programs.programs[key], spec))
     step = programs.step
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
 
@@ -417,10 +420,10 @@ def compile_predict_ahead(model, batches):
                 try:
                     with _switching_often():
                         lowered = step.lower(state, spec)
-                except BaseException as error:  # noqa: BLE001
-                    future.set_exception(error)
-                    continue
-                pool.submit(compile_program, future, lowered)
+                    pool.submit(compile_program, future, lowered)
+                except BaseException as error:  # noqa: BLE001 (the step compiles it)
+                    if not future.done():
+                        future.set_exception(error)
         finally:
             pool.shutdown(wait=False)
 

@@ -208,7 +208,34 @@ def _shapes(data):
     return tree, tuple(leaf(value) for value in leaves)
 
 
-class FirstPrograms:
+class _StepWrapper:
+    """Keras' jitted step (`step`), wrapped: attributes are the step's, and
+    `_run` runs a program compiled for the batch, falling back to the step
+    where the program does not fit it."""
+
+    def __init__(self, step):
+        self.step = step
+        self.programs = {}
+
+    def _run(self, program, state, data):
+        """(`program(state, data)`, True); on a mismatch (structure, shapes,
+        placement: raised before donating) the shape's programs are dropped
+        and Keras' step runs the batch: (its outputs, False)."""
+        try:
+            return program(state, data), True
+        except (TypeError, ValueError):
+            if _any_deleted(state):  # raised after donating (a SplitProgram's update)
+                raise
+            self.programs.pop(_shapes(data), None)
+            return self.step(state, data), False
+
+    def __getattr__(self, name):
+        if name == "step":
+            raise AttributeError(name)
+        return getattr(self.step, name)
+
+
+class FirstPrograms(_StepWrapper):
     """Keras' jitted training step (`step`), which runs a batch on the
     programs `AheadCompiler` compiled for it (`programs`: `_shapes` ->
     [future of the loop program or None, future of the step's own or
@@ -219,8 +246,7 @@ class FirstPrograms:
     compile them again on the main thread)."""
 
     def __init__(self, step):
-        self.step = step
-        self.programs = {}
+        super().__init__(step)
         self.update = None  # future of the update program of the loop programs
         self.steps_run = 0  # steps run on a loop program
 
@@ -234,14 +260,8 @@ class FirstPrograms:
             elif loop is not None and _succeeded(loop):
                 program, looped = loop.result(), True
             if program is not None:
-                try:  # a mismatch (structure, shapes, placement) raises before donating
-                    out = program(state, data)
-                except (TypeError, ValueError):
-                    if _any_deleted(state):  # raised after donating (a SplitProgram's update)
-                        raise
-                    self.programs.pop(_shapes(data), None)
-                    return self.step(state, data)
-                self.steps_run += looped
+                out, ran = self._run(program, state, data)
+                self.steps_run += looped and ran
                 return out
         return self.step(state, data)
 
@@ -258,11 +278,6 @@ class FirstPrograms:
                 del self.programs[key]
         if self.update is not None and not _succeeded(self.update):
             self.update = None
-
-    def __getattr__(self, name):
-        if name == "step":
-            raise AttributeError(name)
-        return getattr(self.step, name)
 
 
 def _any_deleted(tree):
@@ -332,15 +347,11 @@ def first_programs_wrapper(model, kind):
     return wrap
 
 
-class AheadPredict:
+class AheadPredict(_StepWrapper):
     """Keras' jitted predict step (`step`), which runs a batch on the
     program compiled ahead for its shape (`programs`: `_shapes` -> future,
     `compile_predict_ahead`), else as Keras would. Kept on the model as
     Keras keeps its step, with the programs."""
-
-    def __init__(self, step):
-        self.step = step
-        self.programs = {}
 
     def __call__(self, state, data):
         future = self.programs.get(_shapes(data)) if self.programs else None
@@ -350,18 +361,8 @@ class AheadPredict:
             except Exception:  # noqa: BLE001 (the step compiles it)
                 self.programs.pop(_shapes(data), None)
                 return self.step(state, data)
-            try:  # a mismatch raises before donating
-                return program(state, data)
-            except (TypeError, ValueError):
-                if _any_deleted(state):
-                    raise
-                self.programs.pop(_shapes(data), None)
+            return self._run(program, state, data)[0]
         return self.step(state, data)
-
-    def __getattr__(self, name):
-        if name == "step":
-            raise AttributeError(name)
-        return getattr(self.step, name)
 
 
 def predict_wrapper(model, kind):

@@ -50,6 +50,9 @@ Systems:
     kbert-jax-pack, kbert-jax-nopack sst2 with `pack_rows=True` / `False`
                                      (several sentences per row; by default
                                      JAX packs on a CPU only)
+    kbert-jax-ownpredict             `predict` without loop programs: each
+                                     bucket compiles the step's own program
+                                     only (`jax_compile.PREDICT_LOOPS`)
     kbert-jax-autotune               `compile(autotune=True)`: XLA autotunes
                                      every step program (by default not for
                                      runs under 10,000 steps)
@@ -93,6 +96,7 @@ SYSTEMS = (
     "kbert-jax-pack",
     "kbert-jax-nopack",
     "kbert-jax-autotune",
+    "kbert-jax-ownpredict",
     "kbert-jax-cached",
     "kbert-tensorflow",
     "kbert-tensorflow-fixed",
@@ -202,6 +206,8 @@ class StepTimes:
             "first_step_dispatched": begins[1] - start if len(begins) > 1 else None,
             "loop_end": self.end - start,
         }
+        if len(begins) <= 500:  # each step's begin, for short fits
+            out["step_begins"] = [round(b - start, 4) for b in begins]
         switch = switch or 0
         if switch + 1 < len(begins):
             out["own_program_dispatched"] = begins[switch + 1] - start
@@ -283,6 +289,8 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
             seconds = time.perf_counter() - begin
             result[name + "_seconds"] = seconds
             result[name + "_examples_per_second"] = len(sample) / seconds
+            if keras.backend.backend() == "jax":
+                result[name + "_loop_batches"] = jax_compile.predict_program_steps(model)
         result["predict_finite"] = bool(np.isfinite(out).all())
     return result
 
@@ -518,6 +526,10 @@ def child(args):
         )
         pack_rows = {"pack": True, "nopack": False}.get(suffix)
         autotune = True if suffix == "autotune" else "auto"
+        if suffix == "ownpredict":
+            from kbert.backend import jax_compile
+
+            jax_compile.PREDICT_LOOPS = False
         return run_kbert(task, bucket_lengths, args, pack_rows, autotune)
     return run_hf(task, system == "hf-compile", args)
 

@@ -283,15 +283,37 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
     result["timeline"] = steps.timeline(built, result.get("first_program_steps"))
     if task == "sst2":
         sample = texts[: args.predict]
+        calls = []  # when each predict batch reached the ahead-compiled step (JAX)
+        if keras.backend.backend() == "jax":
+            ahead = jax_compile.AheadPredict.__call__
+
+            def timed(self, state, data):
+                calls.append(time.perf_counter())
+                return ahead(self, state, data)
+
+            jax_compile.AheadPredict.__call__ = timed
         for name in ("predict_first", "predict_again"):
             begin = time.perf_counter()
+            del calls[:]
             out = model.predict(sample, batch_size=PREDICT_BATCH, bucket_lengths=bucket_lengths)
             seconds = time.perf_counter() - begin
+            if calls:
+                result[name + "_batch_begins"] = [round(t - begin, 4) for t in calls]
             result[name + "_seconds"] = seconds
             result[name + "_examples_per_second"] = len(sample) / seconds
             if keras.backend.backend() == "jax":
                 result[name + "_loop_batches"] = jax_compile.predict_program_steps(model)
         result["predict_finite"] = bool(np.isfinite(out).all())
+        if keras.backend.backend() == "jax":
+            result["predict_compile_log"] = [
+                dict(
+                    entry,
+                    trace_begin=entry["trace_begin"] - trained,
+                    compile_begin=entry["compile_begin"] - trained,
+                )
+                for entry in jax_compile.compile_log(model)
+                if entry["kind"] == "predict"
+            ]
     return result
 
 

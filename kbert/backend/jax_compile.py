@@ -460,19 +460,42 @@ def compile_predict_ahead(model, batches):
         jobs.append((*programs.programs[key], spec))
     step = programs.step
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
+    log = getattr(model, "_kbert_compile_log", None)
+    if log is None:
+        log = []
+        object.__setattr__(model, "_kbert_compile_log", log)
+    shapes = {
+        id(future): spec for job in jobs for future, spec in ((job[0], job[2]), (job[1], job[2]))
+    }
 
-    def compile_program(future, lowered):
+    def compile_program(future, lowered, begin, traced):
         try:
+            start = time.perf_counter()
             future.set_result(_compile(lowered, loop=future in loops))
+            spec = keras.tree.flatten(shapes[id(future)])[0]
+            log.append(
+                {
+                    "kind": "predict",
+                    "shape": [int(v) for v in spec.shape],
+                    "loop": future in loops,
+                    "trace_begin": begin,
+                    "trace_seconds": traced - begin,
+                    "compile_begin": start,
+                    "compile_seconds": time.perf_counter() - start,
+                }
+            )
         except BaseException as error:  # noqa: BLE001
-            future.set_exception(error)
+            if not future.done():
+                future.set_exception(error)
 
     def trace(future, lower):
         future.set_running_or_notify_cancel()
         try:
             with _switching_often():
+                begin = time.perf_counter()
                 lowered = lower()
-            pool.submit(compile_program, future, lowered)
+                traced = time.perf_counter()
+            pool.submit(compile_program, future, lowered, begin, traced)
         except BaseException as error:  # noqa: BLE001 (the step compiles it)
             if not future.done():
                 future.set_exception(error)

@@ -594,6 +594,18 @@ def _copy_into(static, value):
     return static
 
 
+def warm_up(model):
+    """Before a `fit` prepares its inputs: where its step will run the
+    Triton Adam kernel (kbert's AdamW, on a GPU), the kernel's first launch
+    (its compilation) starts in the background (`torch_triton.warm_up`)."""
+    optimizer = getattr(model, "optimizer", None)
+    if not runs_our_step(model) or not getattr(optimizer, "updates_on_device", False):
+        return None
+    if getattr(optimizer, "amsgrad", False) or not torch.cuda.is_available():
+        return None
+    return torch_triton.warm_up(torch.device(keras_internals.torch_device()))
+
+
 def runs_our_step(model):
     """Whether `fit` runs this module's step: eager torch (with jit_compile,
     torch.compile traces Keras' own step)."""

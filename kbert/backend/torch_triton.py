@@ -33,6 +33,7 @@ runs.
 """
 
 import functools
+import threading
 import warnings
 
 import torch
@@ -82,9 +83,19 @@ def _adam_kernel():
     return adam, triton.cdiv
 
 
+# Held while the kernel is made or first launched: a warm-up thread's and
+# a step's do it once.
+_LOCK = threading.RLock()
+
+
+def _kernels():
+    with _LOCK:
+        return _adam_kernel()
+
+
 def available():
     """Whether Triton imports (it ships with torch's CUDA builds on Linux)."""
-    return _adam_kernel() is not None
+    return _kernels() is not None
 
 
 # device index -> whether a first launch worked there (Triton can import
@@ -96,25 +107,56 @@ _USABLE = {}
 def _usable(device):
     """Whether the kernel launches on `device`: tried once per device on a
     few values, outside any graph capture (a warning says why not)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index in _USABLE:
         return _USABLE[index]
     if torch.cuda.is_current_stream_capturing():
         return False  # tried at the next eager call
-    x, g, m, v = (torch.zeros(4, device=device) for _ in range(4))
-    alpha = torch.zeros((), device=device)
+    with _LOCK:  # a warm-up's launch may be under way
+        if index not in _USABLE:
+            _USABLE[index] = _first_launch(device)
+    return _USABLE[index]
+
+
+def _index(device):
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _first_launch(device):
+    """Launches the kernel on a few values on `device` (Triton compiles it
+    first): whether that worked."""
     try:
+        kernels = _kernels()
+        if kernels is None:
+            return False
+        x, g, m, v = (torch.zeros(4, device=device) for _ in range(4))
+        alpha = torch.zeros((), device=device)
         with torch.cuda.device(device):
-            _launch(*_adam_kernel(), [x], [g], [m], [v], alpha, 0.9, 0.999, 1e-7)
-        _USABLE[index] = True
+            _launch(*kernels, [x], [g], [m], [v], alpha, 0.9, 0.999, 1e-7)
+        return True
     except Exception as error:  # the foreach passes do the update instead
-        _USABLE[index] = False
         warnings.warn(
             f"kbert: the Triton Adam kernel does not run on {device} "
             f"({type(error).__name__}: {str(error)[:200]}); the update runs as "
             "torch._foreach_ passes"
         )
-    return _USABLE[index]
+        return False
+
+
+def warm_up(device):
+    """Starts the kernel's first launch on the CUDA `device` in a
+    background thread, unless done: Triton compiles the kernel then,
+    about 2 s on a machine whose Triton cache is empty (H200; figures in
+    benchmarks/RESULTS.md), which a `fit` spends tokenizing instead of in
+    its first step. The first update waits for it (`_usable`). Returns
+    the thread, or None."""
+    if device.type != "cuda" or _index(device) in _USABLE:
+        return None
+    thread = threading.Thread(
+        target=_usable, args=(device,), name="kbert-triton-warm-up", daemon=True
+    )
+    thread.start()
+    return thread
 
 
 def _fits(tensors):
@@ -142,7 +184,7 @@ def adam_update(variables, grads, m_list, v_list, alpha, beta_1, beta_2, epsilon
     does not launch)."""
     if torch.compiler.is_compiling():
         return False  # torch.compile traces the foreach passes instead
-    kernels = _adam_kernel()
+    kernels = _kernels()
     if kernels is None or not alpha.is_cuda or not all(map(_number, (beta_1, beta_2, epsilon))):
         return False
     tensors = [alpha, *variables, *grads, *m_list, *v_list]

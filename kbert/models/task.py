@@ -233,6 +233,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         always, False never.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
+        if backend.is_torch():
+            torch_step.warm_up(self)  # the Adam kernel compiles while the text is tokenized
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
         bucket_lengths = _multiple(bucket_lengths, self, a["x"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)

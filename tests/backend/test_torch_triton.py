@@ -65,6 +65,75 @@ def test_the_kernel_declines_cpu_tensors_and_changes_nothing():
         assert torch.equal(old, new)
 
 
+def test_a_warm_up_and_a_step_make_the_first_launch_once(monkeypatch):
+    """The warm-up thread's first launch and a step's `_usable` check do
+    not both launch: the step waits for the warm-up and takes its answer."""
+    import threading
+
+    import torch
+
+    from kbert.backend import torch_triton
+
+    monkeypatch.setattr(torch_triton, "_USABLE", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    started, release, launches = threading.Event(), threading.Event(), []
+
+    def slow_first_launch(device):
+        started.set()
+        assert release.wait(30)
+        launches.append(device)
+        return True
+
+    monkeypatch.setattr(torch_triton, "_first_launch", slow_first_launch)
+    device = torch.device("cuda", 0)
+    thread = torch_triton.warm_up(device)
+    assert thread is not None and started.wait(30)
+    answers = []
+    step = threading.Thread(target=lambda: answers.append(torch_triton._usable(device)))
+    step.start()
+    step.join(0.2)
+    assert step.is_alive() and answers == []  # waiting for the warm-up's launch
+    release.set()
+    step.join(30)
+    thread.join(30)
+    assert answers == [True] and launches == [device]
+    assert torch_triton.warm_up(device) is None  # done: nothing to start
+
+
+def test_fit_warms_the_kernel_up_only_where_its_step_runs_it(monkeypatch):
+    """`fit` starts the warm-up before tokenizing where kbert's AdamW
+    updates on a GPU; not for another optimizer, nor without a GPU."""
+    import torch
+
+    import kbert
+    from kbert.backend import keras_internals, torch_step, torch_triton
+
+    started = []
+    monkeypatch.setattr(torch_triton, "warm_up", lambda device: started.append(device))
+    backbone = kbert.BertBackbone(**TINY)
+    model = kbert.BertClassifier(backbone, num_classes=2)
+    model.compile(learning_rate=1e-3)
+    x = {
+        "token_ids": np.full((4, 8), 5, "int32"),
+        "segment_ids": np.zeros((4, 8), "int32"),
+        "padding_mask": np.ones((4, 8), "int32"),
+    }
+    calls = []
+    warm_up = torch_step.warm_up
+    monkeypatch.setattr(torch_step, "warm_up", lambda m: calls.append(m) or warm_up(m))
+    model.fit(x, np.array([0, 1, 0, 1]), batch_size=2, verbose=0)
+    assert calls == [model]
+    assert started == [] or torch.cuda.is_available()  # no GPU: nothing started
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(keras_internals, "torch_device", lambda: "cuda:0")
+    torch_step.warm_up(model)
+    assert started[-1] == torch.device("cuda", 0)
+    count = len(started)
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    torch_step.warm_up(model)
+    assert len(started) == count
+
+
 @gpu
 def test_the_kernel_matches_the_foreach_update_over_several_steps():
     import torch

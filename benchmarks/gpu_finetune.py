@@ -50,9 +50,6 @@ Systems:
     kbert-jax-pack, kbert-jax-nopack sst2 with `pack_rows=True` / `False`
                                      (several sentences per row; by default
                                      JAX packs on a CPU only)
-    kbert-jax-ownpredict             `predict` without loop programs: each
-                                     bucket compiles the step's own program
-                                     only (`jax_compile.PREDICT_LOOPS`)
     kbert-jax-autotune               `compile(autotune=True)`: XLA autotunes
                                      every step program (by default not for
                                      runs under 10,000 steps)
@@ -96,7 +93,6 @@ SYSTEMS = (
     "kbert-jax-pack",
     "kbert-jax-nopack",
     "kbert-jax-autotune",
-    "kbert-jax-ownpredict",
     "kbert-jax-cached",
     "kbert-tensorflow",
     "kbert-tensorflow-fixed",
@@ -301,8 +297,6 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
                 result[name + "_batch_begins"] = [round(t - begin, 4) for t in calls]
             result[name + "_seconds"] = seconds
             result[name + "_examples_per_second"] = len(sample) / seconds
-            if keras.backend.backend() == "jax":
-                result[name + "_loop_batches"] = jax_compile.predict_program_steps(model)
         result["predict_finite"] = bool(np.isfinite(out).all())
         if keras.backend.backend() == "jax":
             result["predict_compile_log"] = [
@@ -548,10 +542,6 @@ def child(args):
         )
         pack_rows = {"pack": True, "nopack": False}.get(suffix)
         autotune = True if suffix == "autotune" else "auto"
-        if suffix == "ownpredict":
-            from kbert.backend import jax_compile
-
-            jax_compile.PREDICT_LOOPS = False
         return run_kbert(task, bucket_lengths, args, pack_rows, autotune)
     return run_hf(task, system == "hf-compile", args)
 

@@ -321,9 +321,11 @@ def first_program_steps(model):
 
 
 def compile_log(model):
-    """The step programs the ahead compiler compiled for `model`, in the
-    order they finished: step kind, shape key (empty for the loop
-    programs' update), whether part of a loop program, `trace_begin` and
+    """The step programs compiled ahead for `model` (by a `fit`'s
+    `AheadCompiler` and by `compile_predict_ahead`), in the order they
+    finished: step kind ("train", "test", "predict"), shape key (empty for
+    the loop programs' update; for "predict" the first input's shape),
+    whether part of a loop program, `trace_begin` and
     `compile_begin` (`time.perf_counter()`), seconds tracing and
     compiling."""
     return list(getattr(model, "_kbert_compile_log", None) or ())
@@ -349,33 +351,20 @@ def first_programs_wrapper(model, kind):
 
 class AheadPredict(_StepWrapper):
     """Keras' jitted predict step (`step`), which runs a batch on the
-    programs compiled ahead for its shape (`programs`: `_shapes` -> [future
-    of the loop program or None, future of the step's own],
-    `compile_predict_ahead`): the step's own once compiled, until then the
-    loop program; else as Keras would. Kept on the model as Keras keeps its
-    step, with the programs."""
-
-    def __init__(self, step):
-        super().__init__(step)
-        self.steps_run = 0  # batches run on a loop program
+    program compiled ahead for its shape (`programs`: `_shapes` -> future,
+    `compile_predict_ahead`), else as Keras would. Kept on the model as
+    Keras keeps its step, with the programs."""
 
     def __call__(self, state, data):
-        entry = self.programs.get(_shapes(data)) if self.programs else None
-        if entry is None:
-            return self.step(state, data)
-        loop, own = entry
-        if loop is not None and not own.done():
-            wait_futures([loop, own], return_when=FIRST_COMPLETED)
-            if not own.done() and _succeeded(loop):
-                out, ran = self._run(loop.result(), state, data)
-                self.steps_run += ran
-                return out
-        try:
-            program = own.result()
-        except Exception:  # noqa: BLE001 (the step compiles it)
-            self.programs.pop(_shapes(data), None)
-            return self.step(state, data)
-        return self._run(program, state, data)[0]
+        future = self.programs.get(_shapes(data)) if self.programs else None
+        if future is not None:
+            try:
+                program = future.result()
+            except Exception:  # noqa: BLE001 (the step compiles it)
+                self.programs.pop(_shapes(data), None)
+                return self.step(state, data)
+            return self._run(program, state, data)[0]
+        return self.step(state, data)
 
 
 def predict_wrapper(model, kind):
@@ -396,45 +385,13 @@ def predict_wrapper(model, kind):
     return wrap
 
 
-def predict_program_steps(model):
-    """How many predict batches of `model` ran on a loop program, or None
-    where its predict step compiles nothing ahead."""
-    programs = getattr(model, "_kbert_ahead_predict", None)
-    return None if programs is None else programs.steps_run
-
-
-# Whether `predict` runs its first batches of each shape on a loop
-# program (the blocks in one `lax.scan`, as a `fit`'s first programs)
-# while the step's own program compiles.
-PREDICT_LOOPS = True
-
-
-def _predict_loops_apply(model, batches):
-    """Whether `model`'s predict programs get loop programs first: compiled
-    without autotuning (which would time kernels on the GPU the loop
-    programs use), a backbone whose blocks can loop, rows not packed."""
-    if not PREDICT_LOOPS or not getattr(model, "calls_backbone", True):
-        return False
-    if getattr(batches, "packing", False):
-        return False
-    options = keras_internals.step_compiler_options(model, "predict")
-    backbone = getattr(model, "backbone", None)
-    loops = getattr(backbone, "loops_layers", None)
-    return bool(options) and options.get("xla_gpu_autotune_level") == 0 and bool(loops and loops())
-
-
 def compile_predict_ahead(model, batches):
     """Traces (one at a time, in batch order) and compiles (side by side)
     in background threads the predict programs of the shapes of `batches`
     (`BucketedBatches`) that `model`'s predict step has none of: Keras
     would compile them one after the other as the batches reach them,
-    while the accelerator waits. Where the blocks can loop, each shape
-    first gets a loop program (`keras_internals.jax_predict_step` traced
-    with the blocks in one `lax.scan`: BERT-base compiles one block
-    instead of twelve), and its own program (Keras' step's) is traced
-    once every loop program has compiled. Only where the step is an
-    `AheadPredict` (`predict_wrapper`; Keras' jitted step, with compiler
-    options)."""
+    while the accelerator waits. Only where the step is an `AheadPredict`
+    (`predict_wrapper`; Keras' jitted step, with compiler options)."""
     programs = getattr(model, "_kbert_ahead_predict", None)
     if programs is None or model.predict_function is None or not len(batches):
         return
@@ -446,77 +403,50 @@ def compile_predict_ahead(model, batches):
     if not new:
         return
     state = keras_internals.jax_step_state(model, "predict")  # before any future exists
-    loop_step = None
-    if _predict_loops_apply(model, batches):
-        import jax
-
-        options = keras_internals.step_compiler_options(model, "predict")
-        function = keras_internals.jax_predict_step(model)
-        loop_step = jax.jit(function, donate_argnums=0, compiler_options=options)
     jobs = []
     for key, spec in new.items():
-        loop = None if loop_step is None else Future()
-        programs.programs[key] = [loop, Future()]
-        jobs.append((*programs.programs[key], spec))
+        programs.programs[key] = Future()
+        jobs.append((programs.programs[key], spec))
     step = programs.step
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
     log = getattr(model, "_kbert_compile_log", None)
     if log is None:
         log = []
         object.__setattr__(model, "_kbert_compile_log", log)
-    shapes = {
-        id(future): spec for job in jobs for future, spec in ((job[0], job[2]), (job[1], job[2]))
-    }
 
-    def compile_program(future, lowered, begin, traced):
+    def compile_program(future, lowered, spec, begin, traced):
         try:
             start = time.perf_counter()
-            future.set_result(_compile(lowered, loop=future in loops))
-            spec = keras.tree.flatten(shapes[id(future)])[0]
+            program = _compile(lowered)
             log.append(
                 {
                     "kind": "predict",
-                    "shape": [int(v) for v in spec.shape],
-                    "loop": future in loops,
+                    "shape": [int(v) for v in keras.tree.flatten(spec)[0].shape],
+                    "loop": False,
                     "trace_begin": begin,
                     "trace_seconds": traced - begin,
                     "compile_begin": start,
                     "compile_seconds": time.perf_counter() - start,
                 }
             )
+            future.set_result(program)
         except BaseException as error:  # noqa: BLE001
             if not future.done():
                 future.set_exception(error)
 
-    def trace(future, lower):
-        future.set_running_or_notify_cancel()
-        try:
-            with _switching_often():
-                begin = time.perf_counter()
-                lowered = lower()
-                traced = time.perf_counter()
-            pool.submit(compile_program, future, lowered, begin, traced)
-        except BaseException as error:  # noqa: BLE001 (the step compiles it)
-            if not future.done():
-                future.set_exception(error)
-
-    def lower_loop(spec):
-        with _tracing_layers_in_loop():
-            lowered = loop_step.lower(state, spec)
-            if not getattr(_LOOP, "looped", False):
-                raise NotLooped()
-        return lowered
-
-    loops = {loop for loop, _, _ in jobs if loop is not None}
-
     def trace_all():
         try:
-            for loop, _, spec in jobs:
-                if loop is not None:
-                    trace(loop, lambda spec=spec: lower_loop(spec))
-            wait_futures(loops)  # the own programs after: the batches wait for the loops
-            for _, own, spec in jobs:
-                trace(own, lambda spec=spec: step.lower(state, spec))
+            for future, spec in jobs:
+                future.set_running_or_notify_cancel()
+                try:
+                    with _switching_often():
+                        begin = time.perf_counter()
+                        lowered = step.lower(state, spec)
+                        traced = time.perf_counter()
+                    pool.submit(compile_program, future, lowered, spec, begin, traced)
+                except BaseException as error:  # noqa: BLE001 (the step compiles it)
+                    if not future.done():
+                        future.set_exception(error)
         finally:
             pool.shutdown(wait=False)
 

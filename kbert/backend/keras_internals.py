@@ -567,20 +567,6 @@ def jax_step_state(model, kind="train"):
     )
 
 
-def jax_predict_step(model):
-    """The function Keras' JAX `predict` jits (`JAXTrainer.make_predict_function`,
-    Keras 3.12-3.15): `(state, data)` -> (outputs, state), the state that
-    of `jax_step_state(model, "predict")`. Jitted apart from Keras' step,
-    its traces are kbert's own (e.g. with the blocks in a loop). Can go
-    with `jax_step_function`."""
-
-    def predict_step(state, data):
-        outputs, non_trainable = model.predict_step(state, data)
-        return outputs, (state[0], non_trainable)
-
-    return predict_step
-
-
 # Set on a thread while it traces the gradient half of a split step.
 _GRADIENTS_OUT = threading.local()
 _GRADIENTS_LOCK = threading.Lock()

@@ -881,62 +881,27 @@ def test_jax_fit_runs_on_a_loop_program_while_an_earlier_fits_own_program_compil
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
-def test_jax_predict_compiles_its_bucket_programs_ahead(monkeypatch, request):
+def test_jax_predict_compiles_its_bucket_programs_ahead(monkeypatch):
     """On an accelerator (forced here), `predict` traces and compiles the
-    programs of each bucket ahead, in background threads: a loop program
-    (the blocks in one `lax.scan`) first, the step's own once every loop
-    program has compiled. The batches run on the loop programs until the
-    own programs are ready (held back here), then on those: Keras compiles
-    nothing on the main thread, the outputs are those of a plain predict,
-    and a later predict compiles nothing."""
-    import threading
-
+    program of each bucket ahead, in background threads, and runs the
+    batches on them: Keras compiles none on the main thread, the outputs
+    are those of a plain predict, and a second predict compiles nothing."""
     model, x, _ = looping_task()
     want = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)  # a plain predict
     assert model._kbert_ahead_predict is None
     jax_compile = _fast_looping_fit(monkeypatch)
-    release = threading.Event()
-    request.addfinalizer(release.set)
-    compile_program, compiled = jax_compile._compile, []
-
-    def held_own_programs(lowered, loop=False):
-        if not loop:
-            assert release.wait(60)
-        compiled.append(loop)
-        return compile_program(lowered, loop)
-
-    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
     model, x, _ = looping_task()
     with step_compiles() as compiles:
         got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
         programs = model._kbert_ahead_predict.programs
-        shapes = len(programs)
-        assert shapes >= 3  # several bucket lengths and a partial batch
-        assert jax_compile.predict_program_steps(model) == 5  # every batch
-        assert compiled == [True] * shapes
-        release.set()
-        for _, own in programs.values():
-            own.result(60)
-        assert compiled == [True] * shapes + [False] * shapes
+        assert len(programs) >= 3  # several bucket lengths and a partial batch
         assert compiles and all(name.startswith("kbert-compile") for name in compiles)
+        logged = [e for e in jax_compile.compile_log(model) if e["kind"] == "predict"]
+        assert len(logged) == len(programs)
+        # each bucket's program, logged with its batch's (rows, length)
+        assert sorted(tuple(e["shape"]) for e in logged) == sorted(k[1][0][0] for k in programs)
         compiles.clear()
         again = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
         assert compiles == []
-        assert jax_compile.predict_program_steps(model) == 5  # the own programs ran
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(again, want, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
-def test_jax_predict_without_loop_programs_compiles_the_own_ahead(monkeypatch):
-    """Where the blocks cannot loop (shared layers), `predict` compiles
-    each bucket's own program ahead only, and runs on it."""
-    jax_compile = _fast_looping_fit(monkeypatch)
-    model, x, _ = looping_task(share_layers=True)
-    with step_compiles() as compiles:
-        got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
-        assert compiles and all(name.startswith("kbert-compile") for name in compiles)
-    entries = model._kbert_ahead_predict.programs.values()
-    assert entries and all(loop is None for loop, _ in entries)
-    assert jax_compile.predict_program_steps(model) == 0
-    assert np.isfinite(got).all()

@@ -418,15 +418,17 @@ def compile_predict_ahead(model, batches):
         try:
             start = time.perf_counter()
             program = _compile(lowered)
+            seconds = time.perf_counter() - start
+            leaves = keras.tree.flatten(spec)
             log.append(
                 {
                     "kind": "predict",
-                    "shape": [int(v) for v in keras.tree.flatten(spec)[0].shape],
+                    "shape": [int(v) for v in leaves[0].shape] if leaves else [],
                     "loop": False,
                     "trace_begin": begin,
                     "trace_seconds": traced - begin,
                     "compile_begin": start,
-                    "compile_seconds": time.perf_counter() - start,
+                    "compile_seconds": seconds,
                 }
             )
             future.set_result(program)

@@ -106,7 +106,10 @@ _USABLE = {}
 
 def _usable(device):
     """Whether the kernel launches on `device`: tried once per device on a
-    few values, outside any graph capture (a warning says why not)."""
+    few values, outside any graph capture on this thread (a warning says
+    why not). A `fit`'s warm-up thread (`warm_up`) tries it beside the
+    main thread, which captures no graph before its first update, which
+    waits for the warm-up here."""
     index = _index(device)
     if index in _USABLE:
         return _USABLE[index]
@@ -152,6 +155,8 @@ def warm_up(device):
     the thread, or None."""
     if device.type != "cuda" or _index(device) in _USABLE:
         return None
+    # the caller's device: a new thread's current CUDA device is the first
+    device = torch.device("cuda", _index(device))
     thread = threading.Thread(
         target=_usable, args=(device,), name="kbert-triton-warm-up", daemon=True
     )

@@ -100,6 +100,29 @@ def test_a_warm_up_and_a_step_make_the_first_launch_once(monkeypatch):
     assert torch_triton.warm_up(device) is None  # done: nothing to start
 
 
+def test_a_warm_up_launches_on_the_callers_device(monkeypatch):
+    """Keras names the GPU "cuda" (no index): the warm-up thread launches on
+    the caller's current device (a DDP process's), not on the thread's
+    first one."""
+    import threading
+
+    import torch
+
+    from kbert.backend import torch_triton
+
+    monkeypatch.setattr(torch_triton, "_USABLE", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    caller = threading.get_ident()
+    # CUDA's current device is per thread: 3 on the caller's, 0 on a new one
+    monkeypatch.setattr(
+        torch.cuda, "current_device", lambda: 3 if threading.get_ident() == caller else 0
+    )
+    launches = []
+    monkeypatch.setattr(torch_triton, "_first_launch", lambda d: launches.append(d) or True)
+    torch_triton.warm_up(torch.device("cuda")).join(30)
+    assert launches == [torch.device("cuda", 3)] and torch_triton._USABLE == {3: True}
+
+
 def test_fit_warms_the_kernel_up_only_where_its_step_runs_it(monkeypatch):
     """`fit` starts the warm-up before tokenizing where kbert's AdamW
     updates on a GPU; not for another optimizer, nor without a GPU."""
@@ -129,9 +152,13 @@ def test_fit_warms_the_kernel_up_only_where_its_step_runs_it(monkeypatch):
     torch_step.warm_up(model)
     assert started[-1] == torch.device("cuda", 0)
     count = len(started)
-    model.compile(optimizer=keras.optimizers.SGD(0.01))
-    torch_step.warm_up(model)
-    assert len(started) == count
+    for kwargs in (
+        {"optimizer": keras.optimizers.SGD(0.01)},  # no Triton update
+        {"learning_rate": 1e-3, "jit_compile": True},  # torch.compile's step
+    ):
+        model.compile(**kwargs)
+        torch_step.warm_up(model)
+        assert len(started) == count
 
 
 @gpu

@@ -103,11 +103,13 @@ class BertTokenClassifier(Task):
                 raise ValueError(
                     f"sentence {row} has {len(words)} words but {len(labels[row])} labels"
                 )
+        # each distinct word tokenized once, in one batch
+        distinct = list(dict.fromkeys(w for words in sentences for w in words))
+        word_pieces = dict(zip(distinct, tokenizer.tokenize(distinct)))
+        for row, words in enumerate(sentences):
             ids, positions = [tokenizer.cls_id], []
             for word in words:
-                pieces = tokenizer.tokenize(word) or [
-                    tokenizer.unk_id
-                ]  # a word of deleted characters
+                pieces = word_pieces[word] or [tokenizer.unk_id]  # a word of deleted characters
                 if len(ids) + len(pieces) > length - 1:
                     break  # truncated: later words get no prediction
                 positions.append(len(ids))

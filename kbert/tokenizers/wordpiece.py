@@ -352,6 +352,15 @@ class BertTokenizer:
         changes characters, not lengths: the whole text's normalisation then
         replaces the per-unit one.
         """
+        if text.isascii() and text.isprintable():
+            # each character normalises to itself (or its lower case), as
+            # `_normalize_units` would find one by one
+            normalized = text.lower() if self.lowercase else text
+            return normalized, list(range(len(text))), list(range(1, len(text) + 1))
+        return self._normalize_units(text)
+
+    def _normalize_units(self, text):
+        """`_normalize_with_origin`, unit by unit."""
         pieces, origin, origin_end = [], [], []
         for start, end in self._units(text):
             unit = text[start:end]

@@ -222,6 +222,18 @@ def test_offsets_point_into_the_original_text(uncased):
         assert uncased.normalize(text[s:e]).replace(" ", "") == piece
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(st.characters(min_codepoint=0, max_codepoint=127), max_size=60),
+    lowercase=st.booleans(),
+)
+def test_ascii_offsets_shortcut_is_the_unit_by_unit_normalisation(text, lowercase):
+    """Printable ASCII text takes a shortcut to its normalisation and
+    character origins: the same as normalising character by character."""
+    tokenizer = BertTokenizer(minilm_vocab(), lowercase=lowercase)
+    assert tokenizer._normalize_with_origin(text) == tokenizer._normalize_units(text)
+
+
 def test_detokenize_and_lookup(uncased):
     ids = uncased.tokenize("unaffable tokenization")
     assert uncased.detokenize(ids) == "unaffable tokenization"

@@ -18,6 +18,7 @@ import numpy as np
 from kbert.backend.ops import fill_padding
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.task import Task
+from kbert.utils.host import with_gc_paused
 
 QAFeatures = collections.namedtuple(
     "QAFeatures", ["x", "y", "example_index", "token_starts", "token_ends", "context_mask"]
@@ -152,6 +153,7 @@ class BertQuestionAnswerer(Task):
 
     # --- features ----------------------------------------------------------
 
+    @with_gc_paused
     def prepare_features(self, questions, contexts, answers=None):
         """Questions, contexts (and answers) -> `QAFeatures`, one row per window.
 

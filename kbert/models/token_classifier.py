@@ -8,6 +8,7 @@ import numpy as np
 
 from kbert.models.task import Task
 from kbert.utils import checks
+from kbert.utils.host import with_gc_paused
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -82,6 +83,7 @@ class BertTokenClassifier(Task):
             **kwargs,
         )
 
+    @with_gc_paused
     def encode_words(self, sentences, labels=None):
         """Word lists (and word labels) -> (x, y, sample_weight, first_piece_positions)."""
         if self.preprocessor is None:

@@ -37,6 +37,7 @@ from kbert.tokenizers.vocabulary import (
     save_vocabulary,
 )
 from kbert.utils.files import load_json, preset_file
+from kbert.utils.host import with_gc_paused
 
 _CACHE_SIZE = 1 << 20
 VOCAB_FILE = "vocab.txt"
@@ -255,6 +256,7 @@ class BertTokenizer:
             return self._patterns.ascii_words.findall(text)
         return self._patterns.words.findall(text)
 
+    @with_gc_paused
     def tokenize(self, inputs):
         """Text -> ids (no special tokens); a list of texts -> a list of id lists."""
         if isinstance(inputs, str):
@@ -502,6 +504,7 @@ class BertTokenizer:
         padding_mask[np.arange(sequence_length)[None, :] < (kept + 2)[:, None]] = 1
         return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
 
+    @with_gc_paused
     def __call__(self, texts, pairs=None, sequence_length=128):
         """Raw text (or text pairs) -> packed model inputs; see `pack`."""
         if isinstance(texts, str):

@@ -249,3 +249,41 @@ def test_offsets_under_context_and_composition(vocabulary, rules, lowercase):
     if rules == "transformers" and not lowercase:
         (accented,) = [i for i, s in enumerate(starts) if text[s] == "e"]
         assert ends[accented] - starts[accented] >= 2  # é from e + U+0301
+
+
+def test_tokenizing_pauses_the_garbage_collector_and_restores_it():
+    """The cyclic collector is off while a batch is tokenized (its
+    collections walk every object of the process) and as the caller had
+    it after: on, or off if the caller turned it off; also after an
+    error."""
+    import gc
+
+    from kbert.utils import host
+
+    tokenizer = BertTokenizer(minilm_vocab(), lowercase=True)
+    seen = []
+    split_words = tokenizer.split_words
+
+    def recording(text):
+        seen.append(gc.isenabled())
+        return split_words(text)
+
+    tokenizer.split_words = recording
+    assert gc.isenabled()
+    assert tokenizer.tokenize(["a b", "c"]) == [tokenizer.tokenize(t) for t in ("a b", "c")]
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        with host.gc_paused():
+            with host.gc_paused():
+                pass
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the caller's choice, kept
+    finally:
+        gc.enable()
+    try:
+        with host.gc_paused():
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()

@@ -153,7 +153,6 @@ class BertQuestionAnswerer(Task):
 
     # --- features ----------------------------------------------------------
 
-    @with_gc_paused
     def prepare_features(self, questions, contexts, answers=None):
         """Questions, contexts (and answers) -> `QAFeatures`, one row per window.
 
@@ -172,6 +171,11 @@ class BertQuestionAnswerer(Task):
             raise ValueError(f"got {len(questions)} questions but {len(contexts)} contexts")
         if answers is not None and len(answers) != len(questions):
             raise ValueError(f"got {len(answers)} answers for {len(questions)} questions")
+        return self._features(questions, contexts, answers)
+
+    @with_gc_paused
+    def _features(self, questions, contexts, answers):
+        """`prepare_features` of checked lists of texts."""
         tokenizer = self.preprocessor.tokenizer
         length = self.preprocessor.sequence_length
         rows = collections.defaultdict(list)

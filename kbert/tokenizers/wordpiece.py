@@ -256,7 +256,6 @@ class BertTokenizer:
             return self._patterns.ascii_words.findall(text)
         return self._patterns.words.findall(text)
 
-    @with_gc_paused
     def tokenize(self, inputs):
         """Text -> ids (no special tokens); a list of texts -> a list of id lists."""
         if isinstance(inputs, str):
@@ -311,9 +310,11 @@ class BertTokenizer:
         if new:
             if len(cache) + len(new) > _CACHE_SIZE:
                 cache.clear()
+                new = list(set(words))  # the batch's cached words too
             cache.update(zip(new, self._encode_words(new)))
         return cache
 
+    @with_gc_paused
     def _tokenize_batch(self, texts):
         words = [self.split_words(t) for t in texts]
         cache = self._word_ids([w for row in words for w in row])
@@ -504,7 +505,6 @@ class BertTokenizer:
         padding_mask[np.arange(sequence_length)[None, :] < (kept + 2)[:, None]] = 1
         return {"token_ids": token_ids, "segment_ids": segment_ids, "padding_mask": padding_mask}
 
-    @with_gc_paused
     def __call__(self, texts, pairs=None, sequence_length=128):
         """Raw text (or text pairs) -> packed model inputs; see `pack`."""
         if isinstance(texts, str):

@@ -287,3 +287,17 @@ def test_tokenizing_pauses_the_garbage_collector_and_restores_it():
     except RuntimeError:
         pass
     assert gc.isenabled()
+
+
+def test_a_full_word_cache_is_refilled_with_the_whole_batch(monkeypatch):
+    """When a batch's new words overflow the word cache, the cache is
+    cleared and refilled with every word of the batch, those it already
+    held too: the batch tokenizes as with an unbounded cache."""
+    from kbert.tokenizers import wordpiece
+
+    texts = ["the cat sat", "the dog sat down", "a cat and a dog", "unaffable the cat"]
+    want = BertTokenizer(minilm_vocab(), lowercase=True).tokenize(texts)
+    monkeypatch.setattr(wordpiece, "_CACHE_SIZE", 4)
+    tokenizer = BertTokenizer(minilm_vocab(), lowercase=True)
+    assert [tokenizer.tokenize([t])[0] for t in texts] == want
+    assert tokenizer.tokenize(texts) == want

@@ -217,6 +217,19 @@ def step_times():
     return type("StepTimesCallback", (StepTimes, keras.callbacks.Callback), {})()
 
 
+def compile_log_since(entries, origin):
+    """`jax_compile.compile_log` entries with their times in seconds from
+    `origin` (`time.perf_counter()`)."""
+    return [
+        dict(
+            entry,
+            trace_begin=entry["trace_begin"] - origin,
+            compile_begin=entry["compile_begin"] - origin,
+        )
+        for entry in entries
+    ]
+
+
 def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
     import keras
     import numpy as np
@@ -268,14 +281,7 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
         from kbert.backend import jax_compile
 
         result["first_program_steps"] = jax_compile.first_program_steps(model)
-        result["compile_log"] = [
-            dict(
-                entry,
-                trace_begin=entry["trace_begin"] - built,
-                compile_begin=entry["compile_begin"] - built,
-            )
-            for entry in jax_compile.compile_log(model)
-        ]
+        result["compile_log"] = compile_log_since(jax_compile.compile_log(model), built)
     result["timeline"] = steps.timeline(built, result.get("first_program_steps"))
     if task == "sst2":
         sample = texts[: args.predict]
@@ -299,15 +305,8 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
             result[name + "_examples_per_second"] = len(sample) / seconds
         result["predict_finite"] = bool(np.isfinite(out).all())
         if keras.backend.backend() == "jax":
-            result["predict_compile_log"] = [
-                dict(
-                    entry,
-                    trace_begin=entry["trace_begin"] - trained,
-                    compile_begin=entry["compile_begin"] - trained,
-                )
-                for entry in jax_compile.compile_log(model)
-                if entry["kind"] == "predict"
-            ]
+            entries = [e for e in jax_compile.compile_log(model) if e["kind"] == "predict"]
+            result["predict_compile_log"] = compile_log_since(entries, trained)
     return result
 
 

@@ -331,6 +331,32 @@ def compile_log(model):
     return list(getattr(model, "_kbert_compile_log", None) or ())
 
 
+def _log_of(model):
+    """The list `compile_log` reads, made on first use (on the caller's
+    thread; appended to by the compiling threads)."""
+    log = getattr(model, "_kbert_compile_log", None)
+    if log is None:
+        log = []
+        object.__setattr__(model, "_kbert_compile_log", log)
+    return log
+
+
+def _record(log, kind, shape, loop, begin, traced, start):
+    """Appends a program compiled from `start` (traced from `begin` to
+    `traced`) to a `compile_log` list."""
+    log.append(
+        {
+            "kind": kind,
+            "shape": [int(v) for v in shape],
+            "loop": loop,
+            "trace_begin": begin,
+            "trace_seconds": traced - begin,
+            "compile_begin": start,
+            "compile_seconds": time.perf_counter() - start,
+        }
+    )
+
+
 def first_programs_wrapper(model, kind):
     """For `Task._make_step`: a function wrapping Keras' jitted `kind` step
     in a `FirstPrograms` (kept on the model, as Keras keeps its step), or
@@ -399,38 +425,23 @@ def compile_predict_ahead(model, batches):
     for index in batches.first_of_each_shape():
         key = _shapes(batches[index])
         if key not in programs.programs and key not in new:
-            new[key] = _spec(batches[index])
+            new[key] = (_spec(batches[index]), batches.shape_key(index))
     if not new:
         return
     state = keras_internals.jax_step_state(model, "predict")  # before any future exists
     jobs = []
-    for key, spec in new.items():
+    for key, (spec, shape) in new.items():
         programs.programs[key] = Future()
-        jobs.append((programs.programs[key], spec))
+        jobs.append((programs.programs[key], spec, shape))
     step = programs.step
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
-    log = getattr(model, "_kbert_compile_log", None)
-    if log is None:
-        log = []
-        object.__setattr__(model, "_kbert_compile_log", log)
+    log = _log_of(model)
 
-    def compile_program(future, lowered, spec, begin, traced):
+    def compile_program(future, lowered, shape, begin, traced):
         try:
             start = time.perf_counter()
             program = _compile(lowered)
-            seconds = time.perf_counter() - start
-            leaves = keras.tree.flatten(spec)
-            log.append(
-                {
-                    "kind": "predict",
-                    "shape": [int(v) for v in leaves[0].shape] if leaves else [],
-                    "loop": False,
-                    "trace_begin": begin,
-                    "trace_seconds": traced - begin,
-                    "compile_begin": start,
-                    "compile_seconds": seconds,
-                }
-            )
+            _record(log, "predict", shape, False, begin, traced, start)
             future.set_result(program)
         except BaseException as error:  # noqa: BLE001
             if not future.done():
@@ -438,14 +449,14 @@ def compile_predict_ahead(model, batches):
 
     def trace_all():
         try:
-            for future, spec in jobs:
+            for future, spec, shape in jobs:
                 future.set_running_or_notify_cancel()
                 try:
                     with _switching_often():
                         begin = time.perf_counter()
                         lowered = step.lower(state, spec)
                         traced = time.perf_counter()
-                    pool.submit(compile_program, future, lowered, spec, begin, traced)
+                    pool.submit(compile_program, future, lowered, shape, begin, traced)
                 except BaseException as error:  # noqa: BLE001 (the step compiles it)
                     if not future.done():
                         future.set_exception(error)
@@ -772,24 +783,10 @@ class AheadCompiler(keras.callbacks.Callback):
 
     def _log(self, key, loop, begin, traced, start):
         """Records a compiled program in the model's `compile_log`."""
-        kind, shape = key
-        self.log.append(
-            {
-                "kind": kind,
-                "shape": [int(v) for v in shape],
-                "loop": loop,
-                "trace_begin": begin,
-                "trace_seconds": traced - begin,
-                "compile_begin": start,
-                "compile_seconds": time.perf_counter() - start,
-            }
-        )
+        _record(self.log, *key, loop, begin, traced, start)
 
     def on_train_begin(self, logs=None):
-        self.log = getattr(self.owner, "_kbert_compile_log", None)
-        if self.log is None:  # made here, on the loop's thread; appended to by the pool's
-            self.log = []
-            object.__setattr__(self.owner, "_kbert_compile_log", self.log)
+        self.log = _log_of(self.owner)
         self.tracer = ThreadPoolExecutor(1, thread_name_prefix="kbert-compile-trace")
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
         self._submit("train", self.batches, self.epochs)

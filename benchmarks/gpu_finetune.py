@@ -53,6 +53,12 @@ Systems:
     kbert-jax-autotune               `compile(autotune=True)`: XLA autotunes
                                      every step program (by default not for
                                      runs under 10,000 steps)
+    kbert-jax-sidebyside             `predict`'s bucket programs all compiled
+                                     side by side, each batch waiting for its
+                                     own (`jax_compile.STAND_INS = False`);
+                                     by default the longest bucket's compiles
+                                     first and carries the others' batches
+                                     until theirs are ready
     kbert-jax-cached                 a second run: its programs loaded from
                                      the compilation cache of the task's
                                      last `kbert-jax` run (listed before it;
@@ -93,6 +99,7 @@ SYSTEMS = (
     "kbert-jax-pack",
     "kbert-jax-nopack",
     "kbert-jax-autotune",
+    "kbert-jax-sidebyside",
     "kbert-jax-cached",
     "kbert-tensorflow",
     "kbert-tensorflow-fixed",
@@ -305,6 +312,8 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
             result[name + "_examples_per_second"] = len(sample) / seconds
         result["predict_finite"] = bool(np.isfinite(out).all())
         if keras.backend.backend() == "jax":
+            programs = getattr(model, "_kbert_ahead_predict", None)  # None off an accelerator
+            result["predict_stand_in_batches"] = getattr(programs, "stand_in_batches", None)
             entries = [e for e in jax_compile.compile_log(model) if e["kind"] == "predict"]
             result["predict_compile_log"] = compile_log_since(entries, trained)
     return result
@@ -541,6 +550,10 @@ def child(args):
         )
         pack_rows = {"pack": True, "nopack": False}.get(suffix)
         autotune = True if suffix == "autotune" else "auto"
+        if suffix == "sidebyside":
+            from kbert.backend import jax_compile
+
+            jax_compile.STAND_INS = False
         return run_kbert(task, bucket_lengths, args, pack_rows, autotune)
     return run_hf(task, system == "hf-compile", args)
 

@@ -62,6 +62,7 @@ list (a `CallbackList` is used as given).
 
 import collections
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -379,18 +380,117 @@ class AheadPredict(_StepWrapper):
     """Keras' jitted predict step (`step`), which runs a batch on the
     program compiled ahead for its shape (`programs`: `_shapes` -> future,
     `compile_predict_ahead`), else as Keras would. Kept on the model as
-    Keras keeps its step, with the programs."""
+    Keras keeps its step, with the programs.
+
+    While a batch's program still compiles, the batch runs on a compiled
+    program of a larger shape (`_stand_in`): its rows padded with copies of
+    its last row, its token inputs with padding, and the outputs cut back
+    to the batch's rows (and, with `token_outputs`, to its length). Padding
+    is masked, so the outputs are the batch's own, to float rounding."""
+
+    def __init__(self, step, token_outputs=False):
+        super().__init__(step)
+        self.token_outputs = token_outputs
+        self.stand_in_batches = 0  # batches run on a larger shape's program
 
     def __call__(self, state, data):
-        future = self.programs.get(_shapes(data)) if self.programs else None
+        key = _shapes(data)
+        future = self.programs.get(key) if self.programs else None
         if future is not None:
+            while STAND_INS and not future.done():
+                stand_in = self._stand_in(key)
+                if stand_in is not None:
+                    return self._run_padded(stand_in, state, data)
+                # the first to compile: this batch's program or a larger one
+                larger = [
+                    f for k, f in list(self.programs.items()) if not f.done() and _holds(k, key)
+                ]
+                wait_futures([future, *larger], return_when=FIRST_COMPLETED)
             try:
                 program = future.result()
             except Exception:  # noqa: BLE001 (the step compiles it)
-                self.programs.pop(_shapes(data), None)
+                self.programs.pop(key, None)
                 return self.step(state, data)
             return self._run(program, state, data)[0]
         return self.step(state, data)
+
+    def _stand_in(self, key):
+        """(key, program) of the smallest compiled program whose batches
+        hold a batch of `key` (`_holds`), or None."""
+        best = None
+        for other, future in list(self.programs.items()):
+            if other != key and _succeeded(future) and _holds(other, key):
+                size = _size(other)
+                if best is None or size < best[0]:
+                    best = (size, other, future.result())
+        return None if best is None else best[1:]
+
+    def _run_padded(self, stand_in, state, data):
+        import jax
+
+        key, program = stand_in
+        leaves, tree = jax.tree_util.tree_flatten(data)
+        rows = int(leaves[0].shape[0])
+        padded = [_pad_to(value, shape) for value, (shape, _) in zip(leaves, key[1])]
+        outputs, state = program(state, jax.tree_util.tree_unflatten(tree, padded))
+        self.stand_in_batches += 1
+        length = int(leaves[-1].shape[-1]) if self.token_outputs else None
+        return jax.tree_util.tree_map(lambda v: _cut_to(v, rows, length), outputs), state
+
+
+def _holds(big, small):
+    """Whether batches of shape key `big` (`_shapes`) can carry a batch of
+    `small`: the same structure and dtypes, and each array at least as
+    long on its first (rows) and last (tokens) axes, equal on the others."""
+    (tree, leaves), (small_tree, small_leaves) = big, small
+    if tree != small_tree or len(leaves) != len(small_leaves) or not leaves:
+        return False
+    rows = leaves[0][0][:1]
+    for (shape, dtype), (small_shape, small_dtype) in zip(leaves, small_leaves):
+        if dtype != small_dtype or len(shape) != len(small_shape) or not shape:
+            return False
+        if shape[:1] != rows or any(a < b for a, b in zip(shape, small_shape)):
+            return False
+        if shape[1:-1] != small_shape[1:-1]:
+            return False
+    return True
+
+
+def _size(key):
+    return sum(math.prod(shape) for shape, _ in key[1])
+
+
+def _pad_to(value, shape):
+    """`value` padded to `shape`: rows with copies of its last row, the
+    last (token) axis with zeros (padding)."""
+    import jax.numpy as jnp
+
+    if tuple(value.shape) == tuple(shape):
+        return value
+    if value.shape[0] != shape[0]:
+        rows = [(0, shape[0] - value.shape[0])] + [(0, 0)] * (value.ndim - 1)
+        value = jnp.pad(value, rows, mode="edge")
+    if value.ndim > 1 and value.shape[-1] != shape[-1]:
+        tokens = [(0, 0)] * (value.ndim - 1) + [(0, shape[-1] - value.shape[-1])]
+        value = jnp.pad(value, tokens)
+    return value
+
+
+def _cut_to(value, rows, length=None):
+    """An output of a padded batch cut back to its `rows` and, given a
+    `length`, its token axis (axis 1) to `length`."""
+    if value.shape[0] != rows:
+        value = value[:rows]
+    if length is not None and value.ndim > 1 and value.shape[1] != length:
+        value = value[:, :length]
+    return value
+
+
+# Whether `predict` runs batches on a larger shape's program while their
+# own compiles, and compiles the first batch's program before the shapes
+# it can carry (`AheadPredict`, `compile_predict_ahead`); else each batch
+# waits for its own program, all compiled side by side.
+STAND_INS = True
 
 
 def predict_wrapper(model, kind):
@@ -404,7 +504,7 @@ def predict_wrapper(model, kind):
         return None
 
     def wrap(step):
-        programs = AheadPredict(step)
+        programs = AheadPredict(step, token_outputs=bool(getattr(model, "token_outputs", False)))
         object.__setattr__(model, "_kbert_ahead_predict", programs)
         return programs
 
@@ -412,12 +512,18 @@ def predict_wrapper(model, kind):
 
 
 def compile_predict_ahead(model, batches):
-    """Traces (one at a time, in batch order) and compiles (side by side)
-    in background threads the predict programs of the shapes of `batches`
+    """Traces (one at a time, in batch order) and compiles in background
+    threads the predict programs of the shapes of `batches`
     (`BucketedBatches`) that `model`'s predict step has none of: Keras
     would compile them one after the other as the batches reach them,
-    while the accelerator waits. Only where the step is an `AheadPredict`
-    (`predict_wrapper`; Keras' jitted step, with compiler options)."""
+    while the accelerator waits. The first batch's program (in `predict`'s
+    length order, the longest bucket's) compiles first; the shapes whose
+    batches it can carry (`AheadPredict`) compile after it, side by side,
+    while their batches run on it padded; other shapes compile at once.
+    Compiled alone, the first program is ready sooner than side by side
+    (BERT-base on an H200: `benchmarks/RESULTS.md`). Only where the step is
+    an `AheadPredict` (`predict_wrapper`; Keras' jitted step, with compiler
+    options)."""
     programs = getattr(model, "_kbert_ahead_predict", None)
     if programs is None or model.predict_function is None or not len(batches):
         return
@@ -432,7 +538,7 @@ def compile_predict_ahead(model, batches):
     jobs = []
     for key, (spec, shape) in new.items():
         programs.programs[key] = Future()
-        jobs.append((programs.programs[key], spec, shape))
+        jobs.append((programs.programs[key], spec, shape, key))
     step = programs.step
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
     log = _log_of(model)
@@ -448,20 +554,35 @@ def compile_predict_ahead(model, batches):
                 future.set_exception(error)
 
     def trace_all():
+        lead, deferred = None, []
         try:
-            for future, spec, shape in jobs:
+            for future, spec, shape, key in jobs:
                 future.set_running_or_notify_cancel()
                 try:
                     with _switching_often():
                         begin = time.perf_counter()
                         lowered = step.lower(state, spec)
                         traced = time.perf_counter()
-                    pool.submit(compile_program, future, lowered, shape, begin, traced)
                 except BaseException as error:  # noqa: BLE001 (the step compiles it)
                     if not future.done():
                         future.set_exception(error)
+                    continue
+                job = (compile_program, future, lowered, shape, begin, traced)
+                if STAND_INS and lead is not None and _holds(lead[1], key):
+                    deferred.append(job)  # its batches run on the lead's program meanwhile
+                else:
+                    pool.submit(*job)
+                    lead = lead or (future, key)
+            if deferred:
+                wait_futures([lead[0]])
+                for job in deferred:
+                    pool.submit(*job)
+                deferred = []
         finally:
             pool.shutdown(wait=False)
+            for job in deferred:  # not submitted: their batches must not wait for them
+                if not job[1].done():
+                    job[1].set_exception(RuntimeError("predict program not compiled"))
 
     tracer = ThreadPoolExecutor(1, thread_name_prefix="kbert-compile-trace")
     tracer.submit(trace_all)

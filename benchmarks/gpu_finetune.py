@@ -53,12 +53,11 @@ Systems:
     kbert-jax-autotune               `compile(autotune=True)`: XLA autotunes
                                      every step program (by default not for
                                      runs under 10,000 steps)
-    kbert-jax-sidebyside             `predict`'s bucket programs all compiled
-                                     side by side, each batch waiting for its
-                                     own (`jax_compile.STAND_INS = False`);
-                                     by default the longest bucket's compiles
-                                     first and carries the others' batches
-                                     until theirs are ready
+    kbert-jax-nostandin              `predict` batches wait for their own
+                                     bucket's program (`jax_compile.STAND_INS
+                                     = False`); by default a batch runs on a
+                                     larger bucket's compiled program while
+                                     its own compiles
     kbert-jax-cached                 a second run: its programs loaded from
                                      the compilation cache of the task's
                                      last `kbert-jax` run (listed before it;
@@ -99,7 +98,7 @@ SYSTEMS = (
     "kbert-jax-pack",
     "kbert-jax-nopack",
     "kbert-jax-autotune",
-    "kbert-jax-sidebyside",
+    "kbert-jax-nostandin",
     "kbert-jax-cached",
     "kbert-tensorflow",
     "kbert-tensorflow-fixed",
@@ -550,12 +549,46 @@ def child(args):
         )
         pack_rows = {"pack": True, "nopack": False}.get(suffix)
         autotune = True if suffix == "autotune" else "auto"
-        if suffix == "sidebyside":
+        if suffix == "nostandin":
             from kbert.backend import jax_compile
 
             jax_compile.STAND_INS = False
         return run_kbert(task, bucket_lengths, args, pack_rows, autotune)
     return run_hf(task, system == "hf-compile", args)
+
+
+def warm_up(args, scratch):
+    """One untimed BERT-tiny run of each framework the systems use (kbert
+    per backend, transformers), each with empty caches of its own: on a
+    machine that has not run a framework yet, the first process to load
+    its libraries and compiler reads them from disk (seconds: the first
+    JAX process of a new machine took 3 s longer to build and compile
+    than the next), so without this the timed runs would depend on their
+    order. Returns {system: {"seconds", "ok"}}."""
+    families = []
+    for system in args.systems:
+        family = "-".join(system.split("-")[:2]) if system.startswith("kbert") else "hf-eager"
+        if family not in families:
+            families.append(family)
+    seconds = {}
+    for family in families:
+        backend = family.split("-")[1] if family.startswith("kbert") else "torch"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+        env.update(KERAS_BACKEND=backend, TRITON_CACHE_DIR=tempfile.mkdtemp(dir=scratch))
+        env[CACHE_ENV] = tempfile.mkdtemp(prefix="kbert-xla-", dir=scratch)
+        command = [sys.executable, __file__, "--child", family, args.tasks[0]]
+        command += ["--data-dir", args.data_dir, "--architecture", "bert_tiny"]
+        command += ["--max-train", "256", "--predict", "256", "--precision", args.precision]
+        if args.vocab:
+            command += ["--vocab", args.vocab]
+        begin = time.perf_counter()
+        try:
+            proc = subprocess.run(command, env=env, capture_output=True, timeout=args.timeout)
+            ok = proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        seconds[family] = {"seconds": time.perf_counter() - begin, "ok": ok}
+    return seconds
 
 
 def main():
@@ -579,6 +612,12 @@ def main():
     )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per (system, task)")
     parser.add_argument("--out", default=None, help="JSON file to write")
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="no untimed BERT-tiny run of each framework before the timed runs",
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     for system in args.systems:
@@ -607,6 +646,8 @@ def main():
     caches = {}  # task -> its kbert-jax run's compilation cache
     scratch = tempfile.mkdtemp(prefix="gpu-finetune-")
     atexit.register(shutil.rmtree, scratch, True)
+    if args.warm_up:
+        results["warm_up"] = warm_up(args, scratch)
     for task in args.tasks:
         for system in args.systems:
             backend = system.split("-")[1] if system.startswith("kbert") else "torch"
@@ -671,6 +712,7 @@ def main():
         baseline = results["runs"].get(f"{task}/hf-eager", {})
         for key in (
             "fit_examples_per_second",
+            "predict_first_examples_per_second",
             "predict_again_examples_per_second",
             "examples_per_second",
         ):

@@ -486,10 +486,8 @@ def _cut_to(value, rows, length=None):
     return value
 
 
-# Whether `predict` runs batches on a larger shape's program while their
-# own compiles, and compiles the first batch's program before the shapes
-# it can carry (`AheadPredict`, `compile_predict_ahead`); else each batch
-# waits for its own program, all compiled side by side.
+# Whether `predict` runs a batch on a compiled program of a larger shape
+# while its own compiles (`AheadPredict`); else it waits for its own.
 STAND_INS = True
 
 
@@ -512,18 +510,14 @@ def predict_wrapper(model, kind):
 
 
 def compile_predict_ahead(model, batches):
-    """Traces (one at a time, in batch order) and compiles in background
-    threads the predict programs of the shapes of `batches`
+    """Traces (one at a time, in batch order) and compiles (side by side)
+    in background threads the predict programs of the shapes of `batches`
     (`BucketedBatches`) that `model`'s predict step has none of: Keras
     would compile them one after the other as the batches reach them,
-    while the accelerator waits. The first batch's program (in `predict`'s
-    length order, the longest bucket's) compiles first; the shapes whose
-    batches it can carry (`AheadPredict`) compile after it, side by side,
-    while their batches run on it padded; other shapes compile at once.
-    Compiled alone, the first program is ready sooner than side by side
-    (BERT-base on an H200: `benchmarks/RESULTS.md`). Only where the step is
-    an `AheadPredict` (`predict_wrapper`; Keras' jitted step, with compiler
-    options)."""
+    while the accelerator waits. A batch whose program is still compiling
+    runs on a compiled one of a larger shape (`AheadPredict`). Only where
+    the step is an `AheadPredict` (`predict_wrapper`; Keras' jitted step,
+    with compiler options)."""
     programs = getattr(model, "_kbert_ahead_predict", None)
     if programs is None or model.predict_function is None or not len(batches):
         return
@@ -538,7 +532,7 @@ def compile_predict_ahead(model, batches):
     jobs = []
     for key, (spec, shape) in new.items():
         programs.programs[key] = Future()
-        jobs.append((programs.programs[key], spec, shape, key))
+        jobs.append((programs.programs[key], spec, shape))
     step = programs.step
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
     log = _log_of(model)
@@ -554,35 +548,20 @@ def compile_predict_ahead(model, batches):
                 future.set_exception(error)
 
     def trace_all():
-        lead, deferred = None, []
         try:
-            for future, spec, shape, key in jobs:
+            for future, spec, shape in jobs:
                 future.set_running_or_notify_cancel()
                 try:
                     with _switching_often():
                         begin = time.perf_counter()
                         lowered = step.lower(state, spec)
                         traced = time.perf_counter()
+                    pool.submit(compile_program, future, lowered, shape, begin, traced)
                 except BaseException as error:  # noqa: BLE001 (the step compiles it)
                     if not future.done():
                         future.set_exception(error)
-                    continue
-                job = (compile_program, future, lowered, shape, begin, traced)
-                if STAND_INS and lead is not None and _holds(lead[1], key):
-                    deferred.append(job)  # its batches run on the lead's program meanwhile
-                else:
-                    pool.submit(*job)
-                    lead = lead or (future, key)
-            if deferred:
-                wait_futures([lead[0]])
-                for job in deferred:
-                    pool.submit(*job)
-                deferred = []
         finally:
             pool.shutdown(wait=False)
-            for job in deferred:  # not submitted: their batches must not wait for them
-                if not job[1].done():
-                    job[1].set_exception(RuntimeError("predict program not compiled"))
 
     tracer = ThreadPoolExecutor(1, thread_name_prefix="kbert-compile-trace")
     tracer.submit(trace_all)

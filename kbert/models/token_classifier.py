@@ -16,9 +16,10 @@ class BertTokenClassifier(Task):
     """Per-token classification, trained on word-level labels.
 
     `fit` / `evaluate` take pre-split sentences (lists of words) and one
-    label id per word; each label goes to the word's first WordPiece and the
-    other pieces are left out of the loss (sample weight 0), as in the paper's
-    CoNLL-2003 set-up. `predict_words` maps predictions back to words.
+    label id per word (`predict` the sentences); each label goes to the
+    word's first WordPiece and the other pieces are left out of the loss
+    (sample weight 0), as in the paper's CoNLL-2003 set-up. `predict_words`
+    maps predictions back to words.
 
     Args:
         backbone: `kbert.BertBackbone`.
@@ -157,6 +158,14 @@ class BertTokenClassifier(Task):
             x, y, weights, _ = self.encode_words(x, y)
             kwargs["sample_weight"] = weights
         return super().evaluate(x, y, *args, **kwargs)
+
+    def predict(self, x=None, *args, **kwargs):
+        """Keras `predict`; pre-split sentences give the logits of each
+        WordPiece (N, T, C), as `encode_words` places them (`predict_words`
+        gives one label per word)."""
+        if self._is_word_lists(x):
+            x = self.encode_words(x)[0]
+        return super().predict(x, *args, **kwargs)
 
     def predict_words(self, sentences, **kwargs):
         """Pre-split sentences -> one predicted label id per word (truncated

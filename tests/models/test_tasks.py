@@ -218,6 +218,10 @@ def test_token_classifier_on_words(tmp_path):
     predicted = model.predict_words(sentences[:2])
     assert [len(p) for p in predicted] == [4, 3]
     assert predicted == labels[:2]
+    encoded = model.encode_words(sentences[:2])[0]
+    np.testing.assert_allclose(  # predict takes the sentences as fit does
+        model.predict(sentences[:2], verbose=0), model.predict(encoded, verbose=0), atol=1e-6
+    )
     with pytest.raises(ValueError, match="label 3 is outside"):
         model.fit([["John"]], [[3]], verbose=0)
     with pytest.raises(ValueError, match="2 words but 1 labels"):

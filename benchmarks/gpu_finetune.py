@@ -12,6 +12,10 @@ vocabulary of the installed all-MiniLM-L6-v2 (the one bert-base-uncased
 uses), bf16 mixed precision, AdamW at 2e-5, batch 32, one epoch (`--epochs`) in a
 seeded random order, sequence length 128.
 
+Each (task, system) runs in a process of its own; before them, one untimed
+BERT-tiny run per framework (`--no-warm-up` leaves it out), so that no
+timed run pays for being the first to load a framework on a new machine.
+
 Tasks (data from ../shared/data, or --data-dir):
     sst2   GLUE SST-2 train (67,349 sentences): one fine-tuning epoch, then
            predict 16,384 training sentences at batch 128.
@@ -53,11 +57,6 @@ Systems:
     kbert-jax-autotune               `compile(autotune=True)`: XLA autotunes
                                      every step program (by default not for
                                      runs under 10,000 steps)
-    kbert-jax-nostandin              `predict` batches wait for their own
-                                     bucket's program (`jax_compile.STAND_INS
-                                     = False`); by default a batch runs on a
-                                     larger bucket's compiled program while
-                                     its own compiles
     kbert-jax-cached                 a second run: its programs loaded from
                                      the compilation cache of the task's
                                      last `kbert-jax` run (listed before it;
@@ -98,7 +97,6 @@ SYSTEMS = (
     "kbert-jax-pack",
     "kbert-jax-nopack",
     "kbert-jax-autotune",
-    "kbert-jax-nostandin",
     "kbert-jax-cached",
     "kbert-tensorflow",
     "kbert-tensorflow-fixed",
@@ -311,8 +309,6 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
             result[name + "_examples_per_second"] = len(sample) / seconds
         result["predict_finite"] = bool(np.isfinite(out).all())
         if keras.backend.backend() == "jax":
-            programs = getattr(model, "_kbert_ahead_predict", None)  # None off an accelerator
-            result["predict_stand_in_batches"] = getattr(programs, "stand_in_batches", None)
             entries = [e for e in jax_compile.compile_log(model) if e["kind"] == "predict"]
             result["predict_compile_log"] = compile_log_since(entries, trained)
     return result
@@ -549,10 +545,6 @@ def child(args):
         )
         pack_rows = {"pack": True, "nopack": False}.get(suffix)
         autotune = True if suffix == "autotune" else "auto"
-        if suffix == "nostandin":
-            from kbert.backend import jax_compile
-
-            jax_compile.STAND_INS = False
         return run_kbert(task, bucket_lengths, args, pack_rows, autotune)
     return run_hf(task, system == "hf-compile", args)
 
@@ -561,9 +553,9 @@ def warm_up(args, scratch):
     """One untimed BERT-tiny run of each framework the systems use (kbert
     per backend, transformers), each with empty caches of its own: on a
     machine that has not run a framework yet, the first process to load
-    its libraries and compiler reads them from disk (seconds: the first
-    JAX process of a new machine took 3 s longer to build and compile
-    than the next), so without this the timed runs would depend on their
+    its libraries and compiler reads them from disk (on a new H200
+    machine, the first kbert JAX process built its model in 9.3 s, the
+    next in 6.2 s), so without this the timed runs would depend on their
     order. Returns {system: {"seconds", "ok"}}."""
     families = []
     for system in args.systems:

@@ -62,7 +62,6 @@ list (a `CallbackList` is used as given).
 
 import collections
 import contextlib
-import math
 import sys
 import threading
 import time
@@ -380,115 +379,18 @@ class AheadPredict(_StepWrapper):
     """Keras' jitted predict step (`step`), which runs a batch on the
     program compiled ahead for its shape (`programs`: `_shapes` -> future,
     `compile_predict_ahead`), else as Keras would. Kept on the model as
-    Keras keeps its step, with the programs.
-
-    While a batch's program still compiles, the batch runs on a compiled
-    program of a larger shape (`_stand_in`): its rows padded with copies of
-    its last row, its token inputs with padding, and the outputs cut back
-    to the batch's rows (and, with `token_outputs`, to its length). Padding
-    is masked, so the outputs are the batch's own, to float rounding."""
-
-    def __init__(self, step, token_outputs=False):
-        super().__init__(step)
-        self.token_outputs = token_outputs
-        self.stand_in_batches = 0  # batches run on a larger shape's program
+    Keras keeps its step, with the programs."""
 
     def __call__(self, state, data):
-        key = _shapes(data)
-        future = self.programs.get(key) if self.programs else None
+        future = self.programs.get(_shapes(data)) if self.programs else None
         if future is not None:
-            while STAND_INS and not future.done():
-                stand_in = self._stand_in(key)
-                if stand_in is not None:
-                    return self._run_padded(stand_in, state, data)
-                # the first to compile: this batch's program or a larger one
-                larger = [
-                    f for k, f in list(self.programs.items()) if not f.done() and _holds(k, key)
-                ]
-                wait_futures([future, *larger], return_when=FIRST_COMPLETED)
             try:
                 program = future.result()
             except Exception:  # noqa: BLE001 (the step compiles it)
-                self.programs.pop(key, None)
+                self.programs.pop(_shapes(data), None)
                 return self.step(state, data)
             return self._run(program, state, data)[0]
         return self.step(state, data)
-
-    def _stand_in(self, key):
-        """(key, program) of the smallest compiled program whose batches
-        hold a batch of `key` (`_holds`), or None."""
-        best = None
-        for other, future in list(self.programs.items()):
-            if other != key and _succeeded(future) and _holds(other, key):
-                size = _size(other)
-                if best is None or size < best[0]:
-                    best = (size, other, future.result())
-        return None if best is None else best[1:]
-
-    def _run_padded(self, stand_in, state, data):
-        import jax
-
-        key, program = stand_in
-        leaves, tree = jax.tree_util.tree_flatten(data)
-        rows = int(leaves[0].shape[0])
-        padded = [_pad_to(value, shape) for value, (shape, _) in zip(leaves, key[1])]
-        outputs, state = program(state, jax.tree_util.tree_unflatten(tree, padded))
-        self.stand_in_batches += 1
-        length = int(leaves[-1].shape[-1]) if self.token_outputs else None
-        return jax.tree_util.tree_map(lambda v: _cut_to(v, rows, length), outputs), state
-
-
-def _holds(big, small):
-    """Whether batches of shape key `big` (`_shapes`) can carry a batch of
-    `small`: the same structure and dtypes, and each array at least as
-    long on its first (rows) and last (tokens) axes, equal on the others."""
-    (tree, leaves), (small_tree, small_leaves) = big, small
-    if tree != small_tree or len(leaves) != len(small_leaves) or not leaves:
-        return False
-    rows = leaves[0][0][:1]
-    for (shape, dtype), (small_shape, small_dtype) in zip(leaves, small_leaves):
-        if dtype != small_dtype or len(shape) != len(small_shape) or not shape:
-            return False
-        if shape[:1] != rows or any(a < b for a, b in zip(shape, small_shape)):
-            return False
-        if shape[1:-1] != small_shape[1:-1]:
-            return False
-    return True
-
-
-def _size(key):
-    return sum(math.prod(shape) for shape, _ in key[1])
-
-
-def _pad_to(value, shape):
-    """`value` padded to `shape`: rows with copies of its last row, the
-    last (token) axis with zeros (padding)."""
-    import jax.numpy as jnp
-
-    if tuple(value.shape) == tuple(shape):
-        return value
-    if value.shape[0] != shape[0]:
-        rows = [(0, shape[0] - value.shape[0])] + [(0, 0)] * (value.ndim - 1)
-        value = jnp.pad(value, rows, mode="edge")
-    if value.ndim > 1 and value.shape[-1] != shape[-1]:
-        tokens = [(0, 0)] * (value.ndim - 1) + [(0, shape[-1] - value.shape[-1])]
-        value = jnp.pad(value, tokens)
-    return value
-
-
-def _cut_to(value, rows, length=None):
-    """An output of a padded batch cut back to its `rows` and, given a
-    `length`, its token axis (axis 1) to `length`."""
-    if value.shape[0] != rows:
-        value = value[:rows]
-    if length is not None and value.ndim > 1 and value.shape[1] != length:
-        value = value[:, :length]
-    return value
-
-
-# Whether `predict` runs a batch on a compiled program of a larger shape
-# while its own compiles (`AheadPredict`); else it waits for its own.
-STAND_INS = True
 
 
 def predict_wrapper(model, kind):
@@ -502,7 +404,7 @@ def predict_wrapper(model, kind):
         return None
 
     def wrap(step):
-        programs = AheadPredict(step, token_outputs=bool(getattr(model, "token_outputs", False)))
+        programs = AheadPredict(step)
         object.__setattr__(model, "_kbert_ahead_predict", programs)
         return programs
 
@@ -514,10 +416,8 @@ def compile_predict_ahead(model, batches):
     in background threads the predict programs of the shapes of `batches`
     (`BucketedBatches`) that `model`'s predict step has none of: Keras
     would compile them one after the other as the batches reach them,
-    while the accelerator waits. A batch whose program is still compiling
-    runs on a compiled one of a larger shape (`AheadPredict`). Only where
-    the step is an `AheadPredict` (`predict_wrapper`; Keras' jitted step,
-    with compiler options)."""
+    while the accelerator waits. Only where the step is an `AheadPredict`
+    (`predict_wrapper`; Keras' jitted step, with compiler options)."""
     programs = getattr(model, "_kbert_ahead_predict", None)
     if programs is None or model.predict_function is None or not len(batches):
         return

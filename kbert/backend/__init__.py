@@ -39,8 +39,8 @@ def is_tensorflow():
 
 def jax_on_accelerator():
     """Whether JAX runs on a GPU or TPU. There a new shape costs seconds of
-    XLA compilation of the training step, while a fine-tuning step at batch
-    sizes such as 32 takes about the same time at any length: one shape per
+    XLA compilation of the training step, more than shorter fine-tuning
+    steps at batch sizes such as 32 save within an epoch: one shape per
     `fit` is faster than length buckets (benchmarks/RESULTS.md)."""
     if not is_jax():
         return False

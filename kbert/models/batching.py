@@ -89,8 +89,8 @@ def training_multiple(model, x):
 
     JAX on a GPU or TPU: one shape for the whole call, the longest
     sequence of `x` rounded up to `MULTIPLE` (each bucket would compile the
-    training step again, for steps that cost about the same at any length:
-    benchmarks/RESULTS.md). Elsewhere `default_multiple(model)`.
+    training step again, for shorter steps that do not repay it within an
+    epoch: benchmarks/RESULTS.md). Elsewhere `default_multiple(model)`.
     """
     if jax_on_accelerator() and can_bucket(x):
         full = np.shape(x["padding_mask"])[-1]
@@ -497,9 +497,9 @@ def splits_batches(model=None):
     """Whether `predict_on_batch` splits a batch by row length: JAX and
     TensorFlow on a CPU, where the work and its time follow the shape.
     Eager torch on a CPU drops the padding inside each block instead
-    (`kbert.backend.ops.token_packing`); on a GPU a batch of a few thousand
-    tokens takes about the same time at any length, and each new shape
-    costs a compilation or a capture."""
+    (`kbert.backend.ops.token_packing`); on a GPU each new shape costs a
+    compilation or a capture, more than a batch of a few thousand tokens
+    saves by splitting."""
     return not is_torch() and not on_accelerator()
 
 

@@ -15,11 +15,11 @@ from kbert.utils.host import with_gc_paused
 class BertTokenClassifier(Task):
     """Per-token classification, trained on word-level labels.
 
-    `fit` / `evaluate` take pre-split sentences (lists of words) and one
-    label id per word (`predict` the sentences); each label goes to the
-    word's first WordPiece and the other pieces are left out of the loss
-    (sample weight 0), as in the paper's CoNLL-2003 set-up. `predict_words`
-    maps predictions back to words.
+    `fit`, `evaluate` and `predict` take pre-split sentences (lists of
+    words), `fit` and `evaluate` with one label id per word; each label
+    goes to the word's first WordPiece and the other pieces are left out of
+    the loss (sample weight 0), as in the paper's CoNLL-2003 set-up.
+    `predict_words` maps predictions back to words.
 
     Args:
         backbone: `kbert.BertBackbone`.

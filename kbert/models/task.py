@@ -233,6 +233,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         always, False never.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
+        _require_examples(self, "fit", a["x"])
         if backend.is_torch():
             torch_step.warm_up(self)  # the Adam kernel compiles while the text is tokenized
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
@@ -316,6 +317,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         """Keras `evaluate`, with `fit`'s input checks and length buckets
         (the batches of fixed-length padding, each cut to its bucket)."""
         a = _bind(keras.Model.evaluate, x, y, *args, **kwargs)
+        _require_examples(self, "evaluate", a["x"])
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
         bucket_lengths = _multiple(bucket_lengths, self, a["x"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
@@ -347,7 +349,11 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         input length): the same numbers as full-length
         padding (padding is masked), several times faster on short texts,
         and a compiled backend compiles once per bucket, not once per length.
+        No examples (an empty list, or model inputs with no rows) give
+        outputs with no rows.
         """
+        if no_examples(x):
+            return self._empty_outputs(x)
         bucket_lengths = _multiple(bucket_lengths, self, predicting=not raw_text.is_tf_dataset(x))
         x, _ = raw_text.convert(self, x, None, with_targets=False)
         x = self._prepare_inputs(x, 0 if self.token_outputs else bucket_lengths)
@@ -400,6 +406,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         On JAX and TensorFlow on a CPU a batch of rows of mixed length runs
         as groups of rows of similar length, each cut to its own bucket
         (`kbert.models.batching.length_groups`)."""
+        if no_examples(x):
+            return self._empty_outputs(x)
         x = self.preprocess_samples(x)
         if not isinstance(x, dict) or not batching.can_bucket(x):
             return super().predict_on_batch(x)
@@ -421,6 +429,22 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
 
         with checks.inputs_checked_on_host():
             return batching.predict_in_groups(x, groups, super().predict_on_batch, restore)
+
+    def _empty_outputs(self, x):
+        """What `predict` returns for no examples: each output with no rows,
+        its per-token axis as long as the inputs' (or the preprocessor's
+        `sequence_length`)."""
+        length = None
+        if isinstance(x, dict) and np.ndim(x.get("padding_mask")) >= 2:
+            length = int(np.shape(x["padding_mask"])[-1])
+        length = length or getattr(self.preprocessor, "sequence_length", None)
+        length = length or self.backbone.max_sequence_length
+
+        def empty(output):
+            shape = [length if d is None else d for d in output.shape[1:]]
+            return np.zeros([0, *shape], output.dtype)
+
+        return keras.tree.map_structure(empty, self.output)
 
     def __call__(self, inputs, *args, **kwargs):
         if isinstance(inputs, dict) and not checks.host_checked():
@@ -572,6 +596,34 @@ def _multiple(bucket_lengths, model=None, training_inputs=None, predicting=False
     raise ValueError(
         f"bucket_lengths must be True, False or a positive int (a multiple), got {bucket_lengths!r}"
     )
+
+
+def no_examples(x):
+    """Whether `x` holds no examples: an empty list, tuple or array (of
+    texts, or of word lists), a (texts, pairs) tuple of two empty ones, or
+    a dict of model inputs whose arrays have no rows."""
+
+    def empty(value):
+        if isinstance(value, (list, tuple)):
+            return len(value) == 0
+        return np.ndim(value) > 0 and np.shape(value)[0] == 0
+
+    if isinstance(x, dict):
+        return bool(x) and all(empty(v) for v in x.values())
+    if isinstance(x, tuple) and len(x) == 2 and not any(isinstance(v, str) for v in x):
+        if all(isinstance(v, (list, tuple, np.ndarray)) for v in x):
+            return empty(x[0]) and empty(x[1])
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return empty(x)
+    return False
+
+
+def _require_examples(task, method, x):
+    if no_examples(x):
+        raise ValueError(
+            f"{type(task).__name__}.{method} got no examples (an empty "
+            f"{type(x).__name__}); pass at least one"
+        )
 
 
 def _steps(x, batch_size, steps=None):

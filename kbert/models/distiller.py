@@ -299,6 +299,8 @@ class BertDistiller(Task):
     >>> distiller.compile()
     """
 
+    targets_required = False  # soft targets come from the teacher
+
     # its step runs the backbones' layers itself, not their `call`
     calls_backbone = False
 

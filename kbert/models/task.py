@@ -137,6 +137,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
     # back to the input length with `token_output_fill`.
     token_outputs = False
     token_output_fill = 0.0
+    # `fit` / `evaluate` on host inputs need targets (`y`).
+    targets_required = True
     # Whether batched tf.data inputs are cut to bucket lengths too.
     bucket_datasets = True
 
@@ -159,8 +161,22 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
                 x, self.input_limits(), self.token_targets, bool(bucket), bucket or 1
             )
         if isinstance(x, dict):
+            self._check_input_names(x)
             checks.check_model_inputs(x, **self.input_limits())
         return x
+
+    def _check_input_names(self, x):
+        """A ValueError naming the inputs a model-input dict lacks."""
+        try:
+            names = [t.name for t in self.inputs]
+        except (AttributeError, ValueError, TypeError):  # not a functional graph
+            return
+        missing = [name for name in names if name not in x]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__} inputs lack {', '.join(missing)}: it takes a dict "
+                f"with {', '.join(names)} (got {', '.join(map(str, x)) or 'no keys'})"
+            )
 
     def _bucketed(
         self, x, y, sample_weight, batch_size, shuffle, multiple, group_by_length=False, pack=False
@@ -233,7 +249,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         always, False never.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
-        _require_examples(self, "fit", a["x"])
+        require_examples(self, "fit", a["x"])
+        require_targets(self, "fit", a["x"], a["y"])
         if backend.is_torch():
             torch_step.warm_up(self)  # the Adam kernel compiles while the text is tokenized
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
@@ -317,7 +334,8 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         """Keras `evaluate`, with `fit`'s input checks and length buckets
         (the batches of fixed-length padding, each cut to its bucket)."""
         a = _bind(keras.Model.evaluate, x, y, *args, **kwargs)
-        _require_examples(self, "evaluate", a["x"])
+        require_examples(self, "evaluate", a["x"])
+        require_targets(self, "evaluate", a["x"], a["y"])
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
         bucket_lengths = _multiple(bucket_lengths, self, a["x"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
@@ -352,6 +370,11 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         No examples (an empty list, or model inputs with no rows) give
         outputs with no rows.
         """
+        if x is None:
+            raise ValueError(
+                f"{type(self).__name__}.predict needs inputs: texts, or model inputs "
+                "(a dict with token_ids, segment_ids, padding_mask)"
+            )
         if no_examples(x):
             return self._empty_outputs(x)
         bucket_lengths = _multiple(bucket_lengths, self, predicting=not raw_text.is_tf_dataset(x))
@@ -431,20 +454,21 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             return batching.predict_in_groups(x, groups, super().predict_on_batch, restore)
 
     def _empty_outputs(self, x):
-        """What `predict` returns for no examples: each output with no rows,
-        its per-token axis as long as the inputs' (or the preprocessor's
-        `sequence_length`)."""
-        length = None
-        if isinstance(x, dict) and np.ndim(x.get("padding_mask")) >= 2:
-            length = int(np.shape(x["padding_mask"])[-1])
-        length = length or getattr(self.preprocessor, "sequence_length", None)
-        length = length or self.backbone.max_sequence_length
-
-        def empty(output):
-            shape = [length if d is None else d for d in output.shape[1:]]
-            return np.zeros([0, *shape], output.dtype)
-
-        return keras.tree.map_structure(empty, self.output)
+        """What `predict` returns for no examples: the outputs the model
+        computes for inputs with no rows (model inputs are checked first),
+        raw text taken at the preprocessor's `sequence_length`."""
+        if isinstance(x, dict):
+            self._prepare_inputs(x, 0)
+            shapes = {t.name: np.shape(x[t.name]) for t in self.inputs}
+        else:
+            length = getattr(self.preprocessor, "sequence_length", None)
+            length = length or self.backbone.max_sequence_length
+            shapes = {
+                t.name: (0, *(length if d is None else d for d in t.shape[1:])) for t in self.inputs
+            }
+        inputs = {name: keras.KerasTensor(shape, "int32") for name, shape in shapes.items()}
+        spec = self.compute_output_spec(inputs)
+        return keras.tree.map_structure(lambda t: np.zeros(t.shape, t.dtype), spec)
 
     def __call__(self, inputs, *args, **kwargs):
         if isinstance(inputs, dict) and not checks.host_checked():
@@ -618,11 +642,23 @@ def no_examples(x):
     return False
 
 
-def _require_examples(task, method, x):
+def require_examples(task, method, x):
     if no_examples(x):
         raise ValueError(
             f"{type(task).__name__}.{method} got no examples (an empty "
             f"{type(x).__name__}); pass at least one"
+        )
+
+
+def require_targets(task, method, x, y):
+    """Host inputs (texts, word lists, model-input dicts) without targets:
+    a ValueError naming it, where the task trains on targets
+    (`Task.targets_required`), not a backend's error on None."""
+    host = isinstance(x, dict) or raw_text.is_text(x) or isinstance(x, (list, tuple))
+    if y is None and task.targets_required and host:
+        raise ValueError(
+            f"{type(task).__name__}.{method} needs targets: pass them as `y` "
+            "(labels for texts, or target arrays for model inputs)"
         )
 
 

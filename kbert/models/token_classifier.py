@@ -6,7 +6,8 @@ Shapes: B batch, T tokens, C classes.
 import keras
 import numpy as np
 
-from kbert.models.task import Task
+from kbert.models import raw_text
+from kbert.models.task import Task, require_targets
 from kbert.utils import checks
 from kbert.utils.host import with_gc_paused
 
@@ -138,6 +139,8 @@ class BertTokenClassifier(Task):
 
     @staticmethod
     def _is_word_lists(x):
+        if isinstance(x, tuple) and len(x) == 2 and raw_text.is_text(x[0]):
+            return False  # (texts, pairs)
         return (
             isinstance(x, (list, tuple))
             and len(x) > 0
@@ -149,12 +152,14 @@ class BertTokenClassifier(Task):
 
     def fit(self, x=None, y=None, *args, **kwargs):
         if self._is_word_lists(x):
+            require_targets(self, "fit", x, y)
             x, y, weights, _ = self.encode_words(x, y)
             kwargs["sample_weight"] = weights
         return super().fit(x, y, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         if self._is_word_lists(x):
+            require_targets(self, "evaluate", x, y)
             x, y, weights, _ = self.encode_words(x, y)
             kwargs["sample_weight"] = weights
         return super().evaluate(x, y, *args, **kwargs)

@@ -106,6 +106,11 @@ def test_no_examples_give_empty_predictions_and_a_clear_error_in_fit(backbone, p
     assert tagger.predict_words([]) == []
     assert reader.predict_answers([], []) == []
     assert chooser.predict(([], []), verbose=0).shape == (0, 2)
+    masked = {**inputs, "mask_positions": np.zeros((0, 3), "int32")}
+    mlm = kbert.BertPreTrainer(backbone).predict(masked, verbose=0)
+    assert mlm["mlm_logits"].shape == (0, 3, len(VOCAB)) and mlm["nsp_logits"].shape == (0, 2)
+    with pytest.raises(ValueError, match="lack padding_mask"):  # checked, even with no rows
+        classifier.predict({"token_ids": inputs["token_ids"]}, verbose=0)
     assert classifier.predict(TEXTS[:1], verbose=0).shape == (1, 2)
     for model, y in ((classifier, []), (tagger, []), (reader, [])):
         model.compile()
@@ -114,6 +119,25 @@ def test_no_examples_give_empty_predictions_and_a_clear_error_in_fit(backbone, p
             model.fit(x, y, verbose=0)
         with pytest.raises(ValueError, match="evaluate got no examples"):
             model.evaluate(x, y, verbose=0)
+
+
+def test_missing_inputs_or_targets_are_named(backbone, preprocessor):
+    """No inputs, a model-input dict without some inputs, or host inputs
+    without targets: a ValueError naming the problem, not a backend's."""
+    model = kbert.BertClassifier(backbone, num_classes=2, preprocessor=preprocessor)
+    model.compile()
+    with pytest.raises(ValueError, match="predict needs inputs"):
+        model.predict(None, verbose=0)
+    with pytest.raises(ValueError, match="lack padding_mask, segment_ids"):
+        model.predict({"token_ids": np.ones((2, 4), "int32")}, verbose=0)
+    with pytest.raises(ValueError, match="fit needs targets"):
+        model.fit(TEXTS[:4], verbose=0)
+    with pytest.raises(ValueError, match="evaluate needs targets"):
+        model.evaluate(preprocessor(TEXTS[:4]), verbose=0)
+    tagger = kbert.BertTokenClassifier(backbone, num_classes=3, preprocessor=preprocessor)
+    tagger.compile()
+    with pytest.raises(ValueError, match="fit needs targets"):
+        tagger.fit([["the", "movie"]], verbose=0)
 
 
 def test_frozen_backbone_trains_head_only(backbone, preprocessor):
@@ -251,6 +275,8 @@ def test_token_classifier_on_words(tmp_path):
     np.testing.assert_allclose(  # predict takes the sentences as fit does
         model.predict(sentences[:2], verbose=0), model.predict(encoded, verbose=0), atol=1e-6
     )
+    pairs = (["john lives in paris"], ["mary visits london"])  # (texts, pairs), not words
+    assert model.predict(pairs, verbose=0).shape == (1, 10, 3)
     with pytest.raises(ValueError, match="label 3 is outside"):
         model.fit([["John"]], [[3]], verbose=0)
     with pytest.raises(ValueError, match="2 words but 1 labels"):

@@ -551,12 +551,14 @@ def child(args):
 
 def warm_up(args, scratch):
     """One untimed BERT-tiny run of each framework the systems use (kbert
-    per backend, transformers), each with empty caches of its own: on a
+    per backend; transformers eager for `hf-*`, so torch.compile's first
+    compilation stays in `hf-compile`'s timed run), each with empty caches
+    of its own: on a
     machine that has not run a framework yet, the first process to load
     its libraries and compiler reads them from disk (on a new H200
     machine, the first kbert JAX process built its model in 9.3 s, the
     next in 6.2 s), so without this the timed runs would depend on their
-    order. Returns {system: {"seconds", "ok"}}."""
+    order. Returns {"kbert-<backend>" or "hf-eager": {"seconds", "ok"}}."""
     families = []
     for system in args.systems:
         family = "-".join(system.split("-")[:2]) if system.startswith("kbert") else "hf-eager"

@@ -106,27 +106,9 @@ def profile(model, x, y, kwargs, steps):
     model.fit(x, y, **kwargs)
     wall = time.perf_counter() - begin
     jax.profiler.stop_trace()
-    paths = [
-        os.path.join(d, f)
-        for d, _, fs in os.walk(trace_dir)
-        for f in fs
-        if f.endswith(".xplane.pb")
-    ]
-    data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
-    lines = {}
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU:0"):
-            for line in plane.lines:
-                lines[line.name] = [
-                    (e.name, e.duration_ns / 1e9, e.start_ns, e.end_ns) for e in line.events
-                ]
-    kernels = [k for name, events in lines.items() if name.startswith("Stream") for k in events]
-    result = profile_step.summarize([k[:2] for k in kernels], wall, steps)
-    result["idle"] = profile_step.idle_gaps([(k[2], k[3], k[0]) for k in kernels], steps)
+    _, lines = profile_step.read_jax_trace(trace_dir)
+    result = profile_step.gpu_summary(lines, wall, steps)
     if "XLA Ops" in lines:
-        result["xla_ops"] = profile_step.summarize([k[:2] for k in lines["XLA Ops"]], wall, steps)[
-            "top_kernels"
-        ]
         seconds, counts = collections.Counter(), collections.Counter()
         for name, duration, *_ in lines["XLA Ops"]:
             kind = name.split(".")[0].rstrip("0123456789_")

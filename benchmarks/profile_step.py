@@ -122,6 +122,42 @@ def idle_gaps(intervals, steps):
     }
 
 
+def read_jax_trace(trace_dir):
+    """The newest `jax.profiler` trace under `trace_dir`: (its ProfileData,
+    {line name: [(event name, seconds, start_ns, end_ns)]} of GPU 0)."""
+    import jax
+
+    paths = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(trace_dir)
+        for f in fs
+        if f.endswith(".xplane.pb")
+    ]
+    data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
+    lines = {}
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU:0"):
+            for line in plane.lines:
+                lines[line.name] = [
+                    (e.name, e.duration_ns / 1e9, e.start_ns, e.end_ns) for e in line.events
+                ]
+    return data, lines
+
+
+def gpu_summary(lines, wall, steps):
+    """`summarize` of GPU 0's kernels (`read_jax_trace` lines) over `steps`
+    steps in `wall` seconds, with the idle gaps and the XLA-op view."""
+    # Kernels are on the "Stream #..." lines; "XLA Ops" repeats the same time
+    # per HLO op (fusion names), kept as a second view.
+    kernels = [k for name, events in lines.items() if name.startswith("Stream") for k in events]
+    result = summarize([k[:2] for k in kernels], wall, steps)
+    result["idle"] = idle_gaps([(k[2], k[3], k[0]) for k in kernels], steps)
+    if "XLA Ops" in lines:
+        result["xla_ops"] = summarize([k[:2] for k in lines["XLA Ops"]], wall, steps)["top_kernels"]
+    result["gpu_lines"] = {name: len(events) for name, events in lines.items()}
+    return result
+
+
 def profile_jax(args, arch, t, b, p):
     import jax
     import keras
@@ -154,14 +190,7 @@ def profile_jax(args, arch, t, b, p):
     model.fit(xs, ys, batch_size=b, epochs=1, verbose=0, shuffle=False)
     wall = time.perf_counter() - start
     jax.profiler.stop_trace()
-    paths = [
-        os.path.join(d, f)
-        for d, _, fs in os.walk(trace_dir)
-        for f in fs
-        if f.endswith(".xplane.pb")
-    ]
-    data = jax.profiler.ProfileData.from_file(max(paths, key=os.path.getmtime))
-    lines = {}
+    data, lines = read_jax_trace(trace_dir)
     host = collections.Counter()
     host_calls = collections.Counter()
     for plane in data.planes:
@@ -172,21 +201,7 @@ def profile_jax(args, arch, t, b, p):
                 for e in line.events:
                     host[(line.name[:40], e.name[:120])] += e.duration_ns / 1e6
                     host_calls[(line.name[:40], e.name[:120])] += 1
-        if plane.name.startswith("/device:GPU:0"):
-            for line in plane.lines:
-                lines[line.name] = [
-                    (e.name, e.duration_ns / 1e9, e.start_ns, e.end_ns) for e in line.events
-                ]
-    # Kernels are on the "Stream #..." lines; "XLA Ops" repeats the same time
-    # per HLO op (fusion names), kept as a second view.
-    kernels = [k for name, events in lines.items() if name.startswith("Stream") for k in events]
-    result = summarize([k[:2] for k in kernels], wall, args.steps)
-    result["idle"] = idle_gaps([(k[2], k[3], k[0]) for k in kernels], args.steps)
-    if "XLA Ops" in lines:
-        result["xla_ops"] = summarize([k[:2] for k in lines["XLA Ops"]], wall, args.steps)[
-            "top_kernels"
-        ]
-    result["gpu_lines"] = {name: len(events) for name, events in lines.items()}
+    result = gpu_summary(lines, wall, args.steps)
     result["host_top_ms_per_step"] = [
         {
             "thread": k[0],

@@ -249,8 +249,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         always, False never.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
-        require_examples(self, "fit", a["x"])
-        require_targets(self, "fit", a["x"], a["y"])
+        _require_data(self, "fit", a["x"], a["y"])
         if backend.is_torch():
             torch_step.warm_up(self)  # the Adam kernel compiles while the text is tokenized
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
@@ -334,8 +333,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         """Keras `evaluate`, with `fit`'s input checks and length buckets
         (the batches of fixed-length padding, each cut to its bucket)."""
         a = _bind(keras.Model.evaluate, x, y, *args, **kwargs)
-        require_examples(self, "evaluate", a["x"])
-        require_targets(self, "evaluate", a["x"], a["y"])
+        _require_data(self, "evaluate", a["x"], a["y"])
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
         bucket_lengths = _multiple(bucket_lengths, self, a["x"])
         a["x"] = self._prepare_inputs(a["x"], bucket_lengths)
@@ -642,19 +640,17 @@ def no_examples(x):
     return False
 
 
-def require_examples(task, method, x):
+def _require_data(task, method, x, y):
+    """`fit` / `evaluate`: a ValueError naming the problem, not a backend's,
+    for no examples, and for host inputs (texts, word lists, model-input
+    dicts) without targets where the task trains on them
+    (`Task.targets_required`)."""
     if no_examples(x):
         raise ValueError(
             f"{type(task).__name__}.{method} got no examples (an empty "
             f"{type(x).__name__}); pass at least one"
         )
-
-
-def require_targets(task, method, x, y):
-    """Host inputs (texts, word lists, model-input dicts) without targets:
-    a ValueError naming it, where the task trains on targets
-    (`Task.targets_required`), not a backend's error on None."""
-    host = isinstance(x, dict) or raw_text.is_text(x) or isinstance(x, (list, tuple))
+    host = isinstance(x, (dict, list, tuple)) or raw_text.is_text(x)
     if y is None and task.targets_required and host:
         raise ValueError(
             f"{type(task).__name__}.{method} needs targets: pass them as `y` "

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 
 from kbert.models import raw_text
-from kbert.models.task import Task, require_targets
+from kbert.models.task import Task
 from kbert.utils import checks
 from kbert.utils.host import with_gc_paused
 
@@ -87,7 +87,8 @@ class BertTokenClassifier(Task):
 
     @with_gc_paused
     def encode_words(self, sentences, labels=None):
-        """Word lists (and word labels) -> (x, y, sample_weight, first_piece_positions)."""
+        """Word lists (and word labels) -> (x, y, sample_weight, first_piece_positions);
+        y and sample_weight are None without labels."""
         if self.preprocessor is None:
             raise ValueError("BertTokenClassifier needs a preprocessor to take words")
         tokenizer = self.preprocessor.tokenizer
@@ -135,6 +136,8 @@ class BertTokenClassifier(Task):
                 kind="token",
             )
         x = {"token_ids": token_ids, "segment_ids": np.zeros_like(token_ids), "padding_mask": mask}
+        if labels is None:
+            return x, None, None, firsts
         return x, y, weights, firsts
 
     @staticmethod
@@ -152,14 +155,12 @@ class BertTokenClassifier(Task):
 
     def fit(self, x=None, y=None, *args, **kwargs):
         if self._is_word_lists(x):
-            require_targets(self, "fit", x, y)
             x, y, weights, _ = self.encode_words(x, y)
             kwargs["sample_weight"] = weights
         return super().fit(x, y, *args, **kwargs)
 
     def evaluate(self, x=None, y=None, *args, **kwargs):
         if self._is_word_lists(x):
-            require_targets(self, "evaluate", x, y)
             x, y, weights, _ = self.encode_words(x, y)
             kwargs["sample_weight"] = weights
         return super().evaluate(x, y, *args, **kwargs)

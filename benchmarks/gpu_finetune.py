@@ -298,6 +298,7 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
                 return ahead(self, state, data)
 
             jax_compile.AheadPredict.__call__ = timed
+        looped = 0
         for name in ("predict_first", "predict_again"):
             begin = time.perf_counter()
             del calls[:]
@@ -305,6 +306,9 @@ def run_kbert(task, bucket_lengths, args, pack_rows=None, autotune="auto"):
             seconds = time.perf_counter() - begin
             if calls:
                 result[name + "_batch_begins"] = [round(t - begin, 4) for t in calls]
+            if keras.backend.backend() == "jax":  # this call's batches run on a loop program
+                result[name + "_loop_batches"] = jax_compile.predict_loop_batches(model) - looped
+                looped += result[name + "_loop_batches"]
             result[name + "_seconds"] = seconds
             result[name + "_examples_per_second"] = len(sample) / seconds
         result["predict_finite"] = bool(np.isfinite(out).all())

@@ -2,6 +2,7 @@
 every example once per epoch in a seeded order, and make few shapes."""
 
 import contextlib
+import time
 
 import keras
 import numpy as np
@@ -895,13 +896,94 @@ def test_jax_predict_compiles_its_bucket_programs_ahead(monkeypatch):
         got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
         programs = model._kbert_ahead_predict.programs
         assert len(programs) >= 3  # several bucket lengths and a partial batch
+        for _, own in programs.values():  # compiling on after the batches ran on loop programs
+            own.result(timeout=60)
+        deadline = time.monotonic() + 60
+        logged = jax_compile.compile_log  # the loop programs are logged too
+        while len([e for e in logged(model) if e["kind"] == "predict"]) < 2 * len(programs):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         assert compiles and all(name.startswith("kbert-compile") for name in compiles)
         logged = [e for e in jax_compile.compile_log(model) if e["kind"] == "predict"]
-        assert len(logged) == len(programs)
-        # each bucket's program, logged with its batch's (rows, length)
-        assert sorted(tuple(e["shape"]) for e in logged) == sorted(k[1][0][0] for k in programs)
+        # each bucket's program and its loop program, logged with its batch's (rows, length)
+        for loop in (False, True):
+            shapes = sorted(tuple(e["shape"]) for e in logged if e["loop"] == loop)
+            assert shapes == sorted(k[1][0][0] for k in programs)
         compiles.clear()
         again = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
         assert compiles == []
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(again, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_predict_runs_its_first_batches_on_loop_programs(monkeypatch, request):
+    """While a shape's own predict program compiles (held here), its
+    batches run on the program with the blocks in a loop, compiled
+    first, with the same outputs; once the own programs are compiled, a
+    second predict runs on them. Without first programs no loop program
+    is made."""
+    import threading
+
+    model, x, _ = looping_task()
+    want = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)  # a plain predict
+    jax_compile = _fast_looping_fit(monkeypatch)
+    release = threading.Event()
+    request.addfinalizer(release.set)  # no worker left waiting if the test fails
+    compile_program = jax_compile._compile
+
+    def held_own_programs(lowered, loop=False):
+        if not loop:
+            release.wait(60)
+        return compile_program(lowered, loop)
+
+    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
+    model, x, _ = looping_task()
+    with step_compiles() as compiles:
+        got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
+        batches = jax_compile.predict_loop_batches(model)
+        assert batches == 5  # every batch (24 rows in batches of 5), on a loop program
+        programs = model._kbert_ahead_predict.programs
+        assert all(loop is not None and not own.done() for loop, own in programs.values())
+        assert len(compiles) == len(programs)  # the loop programs, in the compiling threads
+        release.set()
+        for _, own in programs.values():
+            own.result(timeout=60)
+        again = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
+        assert jax_compile.predict_loop_batches(model) == batches  # on the own programs
+        assert all(loop is None for loop, _ in programs.values())
+        assert "MainThread" not in compiles
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(again, want, rtol=1e-5, atol=1e-6)
+
+    monkeypatch.setattr(jax_compile, "FIRST_PROGRAMS", False)
+    model, x, _ = looping_task()
+    np.testing.assert_allclose(
+        model.predict(x, batch_size=5, verbose=0, bucket_lengths=4), want, rtol=1e-5, atol=1e-6
+    )
+    assert jax_compile.predict_loop_batches(model) == 0
+    assert all(loop is None for loop, _ in model._kbert_ahead_predict.programs.values())
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+@pytest.mark.parametrize("failing", ["loop", "own"])
+def test_jax_predict_runs_on_the_program_that_compiled(monkeypatch, failing):
+    """A loop program that fails to compile leaves the batches to the own
+    program, and an own program that fails to the loop program: the same
+    outputs either way."""
+    model, x, _ = looping_task()
+    want = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)  # a plain predict
+    jax_compile = _fast_looping_fit(monkeypatch)
+    compile_program = jax_compile._compile
+
+    def failing_compile(lowered, loop=False):
+        if loop == (failing == "loop"):
+            raise RuntimeError("no program")
+        return compile_program(lowered, loop)
+
+    monkeypatch.setattr(jax_compile, "_compile", failing_compile)
+    model, x, _ = looping_task()
+    for _ in range(2):
+        got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert jax_compile.predict_loop_batches(model) == (0 if failing == "loop" else 10)

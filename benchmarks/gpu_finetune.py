@@ -70,7 +70,14 @@ Systems:
     hf-compile                       the same through torch.compile(dynamic=True)
 
 Each (system, task) runs in its own process, one after the other on the same
-GPU; compare figures within one invocation. Writes JSON (--out).
+GPU; compare figures within one invocation. `--repeats N` runs every (task,
+system) N times, the systems in alternating order (reversed every other
+round), names the runs `task/system#k` (each `vs_hf_eager` against
+transformers' run of the same round) and adds `medians`: the median of each
+throughput over the repeats, with its ratio to transformers' median. One
+run of XQuAD by transformers took 5.4 to 10.1 s on the same kind of
+machine on one day: one run per system is not enough there. Writes JSON
+(--out).
 """
 
 import argparse
@@ -589,6 +596,78 @@ def warm_up(args, scratch):
     return seconds
 
 
+def medians(runs):
+    """`task/system` -> the median of each throughput figure over that
+    pair's repeated runs (`task/system#k`) that reported it, and `runs`,
+    how many did."""
+    import statistics
+
+    grouped = {}
+    for name, run in runs.items():
+        grouped.setdefault(name.split("#")[0], []).append(run)
+    out = {}
+    for name, group in grouped.items():
+        keys = sorted({k for run in group for k in run if k.endswith("examples_per_second")})
+        out[name] = {k: statistics.median([run[k] for run in group if k in run]) for k in keys}
+        out[name]["runs"] = sum(1 for run in group if "error" not in run)
+    return out
+
+
+def run_system(task, system, args, scratch, caches):
+    """One (task, system) run in its own process: its result dict."""
+    backend = system.split("-")[1] if system.startswith("kbert") else "torch"
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    command = [sys.executable, __file__, "--child", system, task]
+    command += ["--data-dir", args.data_dir, "--architecture", args.architecture]
+    command += ["--predict", str(args.predict), "--precision", args.precision]
+    command += ["--epochs", str(args.epochs)]
+    if args.preset:
+        command += ["--preset", args.preset]
+    if args.vocab:
+        command += ["--vocab", args.vocab]
+    if args.max_train:
+        command += ["--max-train", str(args.max_train)]
+    if system.startswith("kbert-jax"):
+        # kbert's XLA compilation cache: a new, empty one for each
+        # run (compilations timed), but `-cached` loads the programs
+        # of the task's last `kbert-jax` run (or of an untimed one)
+        for name in [k for k in env if k.startswith("JAX_COMPILATION_CACHE")]:
+            del env[name]  # kbert would keep a JAX cache set by the caller
+        if system != "kbert-jax-cached":
+            env[CACHE_ENV] = tempfile.mkdtemp(prefix="kbert-xla-", dir=scratch)
+            if system == "kbert-jax":
+                caches[task] = env[CACHE_ENV]
+        else:
+            if task not in caches:
+                caches[task] = tempfile.mkdtemp(prefix="kbert-xla-", dir=scratch)
+                fill = command[:3] + ["kbert-jax"] + command[4:]
+                try:
+                    subprocess.run(
+                        fill,
+                        env=dict(env, **{CACHE_ENV: caches[task]}),
+                        capture_output=True,
+                        timeout=args.timeout,
+                    )
+                except subprocess.TimeoutExpired:
+                    pass  # `cache_entries` says what it left
+            env[CACHE_ENV] = caches[task]
+    begin = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        run = (
+            json.loads(lines[-1][7:]) if lines else {"error": (proc.stderr or proc.stdout)[-2000:]}
+        )
+    except subprocess.TimeoutExpired:
+        run = {"error": f"timed out after {args.timeout} s"}
+    run["process_seconds"] = time.perf_counter() - begin
+    if system == "kbert-jax-cached":
+        run["cache_entries"] = len(os.listdir(env[CACHE_ENV]))
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
@@ -609,6 +688,12 @@ def main():
         "--epochs", type=int, default=1, help="fine-tuning epochs (examples/s counts each epoch)"
     )
     parser.add_argument("--timeout", type=int, default=900, help="seconds per (system, task)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each (task, system), the systems in alternating order; reports medians",
+    )
     parser.add_argument("--out", default=None, help="JSON file to write")
     parser.add_argument(
         "--no-warm-up",
@@ -646,68 +731,22 @@ def main():
     atexit.register(shutil.rmtree, scratch, True)
     if args.warm_up:
         results["warm_up"] = warm_up(args, scratch)
-    for task in args.tasks:
-        for system in args.systems:
-            backend = system.split("-")[1] if system.startswith("kbert") else "torch"
-            env = dict(os.environ, KERAS_BACKEND=backend)
-            command = [sys.executable, __file__, "--child", system, task]
-            command += ["--data-dir", args.data_dir, "--architecture", args.architecture]
-            command += ["--predict", str(args.predict), "--precision", args.precision]
-            command += ["--epochs", str(args.epochs)]
-            if args.preset:
-                command += ["--preset", args.preset]
-            if args.vocab:
-                command += ["--vocab", args.vocab]
-            if args.max_train:
-                command += ["--max-train", str(args.max_train)]
-            if system.startswith("kbert-jax"):
-                # kbert's XLA compilation cache: a new, empty one for each
-                # run (compilations timed), but `-cached` loads the programs
-                # of the task's last `kbert-jax` run (or of an untimed one)
-                for name in [k for k in env if k.startswith("JAX_COMPILATION_CACHE")]:
-                    del env[name]  # kbert would keep a JAX cache set by the caller
-                if system != "kbert-jax-cached":
-                    env[CACHE_ENV] = tempfile.mkdtemp(prefix="kbert-xla-", dir=scratch)
-                    if system == "kbert-jax":
-                        caches[task] = env[CACHE_ENV]
-                else:
-                    if task not in caches:
-                        caches[task] = tempfile.mkdtemp(prefix="kbert-xla-", dir=scratch)
-                        fill = command[:3] + ["kbert-jax"] + command[4:]
-                        try:
-                            subprocess.run(
-                                fill,
-                                env=dict(env, **{CACHE_ENV: caches[task]}),
-                                capture_output=True,
-                                timeout=args.timeout,
-                            )
-                        except subprocess.TimeoutExpired:
-                            pass  # `cache_entries` says what it left
-                    env[CACHE_ENV] = caches[task]
-            begin = time.perf_counter()
-            try:
-                proc = subprocess.run(
-                    command, env=env, capture_output=True, text=True, timeout=args.timeout
-                )
-                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-                run = (
-                    json.loads(lines[-1][7:])
-                    if lines
-                    else {"error": (proc.stderr or proc.stdout)[-2000:]}
-                )
-            except subprocess.TimeoutExpired:
-                run = {"error": f"timed out after {args.timeout} s"}
-            run["process_seconds"] = time.perf_counter() - begin
-            if system == "kbert-jax-cached":
-                run["cache_entries"] = len(os.listdir(env[CACHE_ENV]))
-            results["runs"][f"{task}/{system}"] = run
-            print(task, system, json.dumps(run)[:400], flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=2)
+    for repeat in range(args.repeats):
+        for task in args.tasks:
+            # alternating order: no system always runs first, or last
+            for system in args.systems if repeat % 2 == 0 else args.systems[::-1]:
+                run = run_system(task, system, args, scratch, caches)
+                suffix = f"#{repeat + 1}" if args.repeats > 1 else ""
+                results["runs"][f"{task}/{system}{suffix}"] = run
+                print(task, system + suffix, json.dumps(run)[:400], flush=True)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(results, f, indent=2)
+    if args.repeats > 1:
+        results["medians"] = medians(results["runs"])
     for name, run in results["runs"].items():
-        task = name.split("/")[0]
-        baseline = results["runs"].get(f"{task}/hf-eager", {})
+        task, suffix = name.split("/")[0], name.partition("#")[1] + name.partition("#")[2]
+        baseline = results["runs"].get(f"{task}/hf-eager{suffix}", {})  # of the same repeat
         for key in (
             "fit_examples_per_second",
             "predict_first_examples_per_second",
@@ -715,6 +754,11 @@ def main():
             "examples_per_second",
         ):
             if baseline.get(key) and key in run:
+                run[key.replace("examples_per_second", "vs_hf_eager")] = run[key] / baseline[key]
+    for name, run in results.get("medians", {}).items():  # against transformers' median
+        baseline = results["medians"].get(f"{name.split('/')[0]}/hf-eager", {})
+        for key in [k for k in run if k.endswith("examples_per_second")]:
+            if baseline.get(key):
                 run[key.replace("examples_per_second", "vs_hf_eager")] = run[key] / baseline[key]
     if args.out:
         with open(args.out, "w") as f:

@@ -414,7 +414,9 @@ class AheadPredict(_StepWrapper):
 def predict_wrapper(model, kind):
     """For `Task._make_step`: a function wrapping Keras' jitted predict
     step in an `AheadPredict` (kept on the model), on a GPU or TPU; or
-    None."""
+    None. Keras applies it only to a step jitted with compiler options
+    (`keras_internals.jax_jit_options`), which `step_options` gives on a
+    GPU only: a TPU runs Keras' step, compiling each shape as it comes."""
     if kind != "predict":
         return None
     object.__setattr__(model, "_kbert_ahead_predict", None)  # a new step, plain

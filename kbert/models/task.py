@@ -359,8 +359,9 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
 
         Inputs are checked first. With `bucket_lengths`, host inputs run in
         length order, each batch cut to its longest sequence rounded up to
-        a multiple of 16 (on JAX with a GPU or TPU 32, where each bucket's
-        program compiles ahead, side by side; `tf.data` batches 64), and
+        a multiple of 16 (on JAX with a GPU or TPU 32; on a GPU each
+        bucket's program compiles ahead, side by side, its batches running
+        on a loop program until then; `tf.data` batches 64), and
         come back in input order (per-token outputs padded back to the
         input length): the same numbers as full-length
         padding (padding is masked), several times faster on short texts,
@@ -397,7 +398,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
     def _predict_bucketed(self, x, batch_size, multiple):
         batches = batching.BucketedBatches(x, batch_size=batch_size, sort=True, multiple=multiple)
         if backend.is_jax() and self.jit_compile and not self.run_eagerly:
-            # each bucket's program compiled ahead, side by side (on a GPU or TPU)
+            # each bucket's program compiled ahead, side by side (on a GPU)
             self.make_predict_function()
             jax_compile.compile_predict_ahead(self, batches)
         full = batches.full

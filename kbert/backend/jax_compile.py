@@ -305,14 +305,31 @@ def first_programs_apply(model, kind):
     a `fit` on an accelerator (`enabled`; the ahead compiler makes them),
     compiled without autotuning, of a model whose backbone can loop its
     blocks."""
-    if kind != "train" or not FIRST_PROGRAMS or not enabled():
+    return kind == "train" and enabled() and _blocks_loop(model, kind)
+
+
+def _blocks_loop(model, kind):
+    """Whether `model`'s `kind` programs can have loop programs: first
+    programs on (`FIRST_PROGRAMS`), the step's programs compiled without
+    autotuning, a backbone whose blocks can loop, called by the task."""
+    if not FIRST_PROGRAMS:
         return False
     if not getattr(model, "calls_backbone", True):  # e.g. a distiller walks the blocks itself
         return False
-    options = keras_internals.step_compiler_options(model, "train")
+    options = keras_internals.step_compiler_options(model, kind)
     backbone = getattr(model, "backbone", None)
     loops = getattr(backbone, "loops_layers", None)
     return bool(options) and options.get("xla_gpu_autotune_level") == 0 and bool(loops and loops())
+
+
+def _lower_looped(jitted, *args):
+    """`jitted.lower(*args)` with the backbone's blocks in a loop; raises
+    `NotLooped` where the trace did not loop them."""
+    with _tracing_layers_in_loop():
+        lowered = jitted.lower(*args)
+        if not getattr(_LOOP, "looped", False):
+            raise NotLooped()
+    return lowered
 
 
 def first_program_steps(model):
@@ -395,14 +412,14 @@ class AheadPredict(_StepWrapper):
         if entry is None:
             return self.step(state, data)
         loop, own = entry
-        if loop is not None and not own.done():
+        if loop is not None and not _succeeded(own):
             wait_futures([loop, own], return_when=FIRST_COMPLETED)  # whichever compiles first
-        if loop is not None and own.done() and not _succeeded(own):
-            wait_futures([loop])  # the own program failed: the loop program, if it compiles
-        if loop is not None and _succeeded(loop) and not _succeeded(own):
-            out, ran = self._run(loop.result(), state, data)  # own compiling, or failed
-            self.loop_batches += ran
-            return out
+            if own.done() and not _succeeded(own):
+                wait_futures([loop])  # the own program failed: the loop program, if it compiles
+            if _succeeded(loop) and not _succeeded(own):
+                out, ran = self._run(loop.result(), state, data)  # own compiling, or failed
+                self.loop_batches += ran
+                return out
         try:
             program = own.result()
         except Exception:  # noqa: BLE001 (the step compiles it)
@@ -460,15 +477,16 @@ def compile_predict_ahead(model, batches):
     state = keras_internals.jax_step_state(model, "predict")  # before any future exists
     step = programs.step
     keras_step = getattr(step, "__wrapped__", None)  # what Keras jitted
-    loops = keras_step is not None and _predict_loops_apply(model)
-    jobs = []  # (future, spec, shape, loop), traced in this order
+    loops = keras_step is not None and _blocks_loop(model, "predict")
+    loop_jobs, own_jobs = [], []  # (future, spec, shape, loop)
     for key, (spec, shape) in new.items():
         loop, own = (Future() if loops else None), Future()
         entry = programs.programs[key] = [loop, own]
         if loop is not None:
-            jobs.append((loop, spec, shape, True))
+            loop_jobs.append((loop, spec, shape, True))
             own.add_done_callback(functools.partial(_drop_loop, entry))
-    jobs += [(programs.programs[key][1], spec, shape, False) for key, (spec, shape) in new.items()]
+        own_jobs.append((own, spec, shape, False))
+    jobs = loop_jobs + own_jobs  # traced in this order
     if loops:
         import jax
 
@@ -491,23 +509,15 @@ def compile_predict_ahead(model, batches):
             if not future.done():
                 future.set_exception(error)
 
-    def trace(spec, loop):
-        if not loop:
-            return step.lower(state, spec)
-        with _tracing_layers_in_loop():
-            lowered = loop_step.lower(state, spec)
-            if not getattr(_LOOP, "looped", False):
-                raise NotLooped()
-        return lowered
-
     def trace_all():
         try:
             for future, spec, shape, loop in jobs:
+                args = (state, spec)
                 future.set_running_or_notify_cancel()
                 try:
                     with _switching_often():
                         begin = time.perf_counter()
-                        lowered = trace(spec, loop)
+                        lowered = _lower_looped(loop_step, *args) if loop else step.lower(*args)
                         traced = time.perf_counter()
                     pool.submit(compile_program, future, lowered, shape, loop, begin, traced)
                 except BaseException as error:  # noqa: BLE001 (the step compiles it)
@@ -526,17 +536,6 @@ def _drop_loop(entry, own):
     `AheadPredict.programs` lets the loop program go."""
     if _succeeded(own):
         entry[0] = None
-
-
-def _predict_loops_apply(model):
-    """Whether `model`'s predict programs get loop programs: first programs
-    on (`FIRST_PROGRAMS`), predict programs compiled without autotuning, a
-    backbone whose blocks can loop, called by the task."""
-    if not FIRST_PROGRAMS or not getattr(model, "calls_backbone", True):
-        return False
-    options = keras_internals.step_compiler_options(model, "predict")
-    loops = getattr(getattr(model, "backbone", None), "loops_layers", None)
-    return bool(options) and options.get("xla_gpu_autotune_level") == 0 and bool(loops and loops())
 
 
 def predict_loop_batches(model):
@@ -771,14 +770,7 @@ class AheadCompiler(keras.callbacks.Callback):
     def _loop_trace(self, spec):
         grads, _, state = self._loop_functions()
 
-        def trace():
-            with _tracing_layers_in_loop():
-                lowered = grads.lower(*state, spec)
-                if not getattr(_LOOP, "looped", False):
-                    raise NotLooped()
-            return lowered
-
-        return trace
+        return lambda: _lower_looped(grads, *state, spec)
 
     def _update_trace(self):
         import jax

@@ -619,7 +619,6 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, request, 
     step K), then that one; the training is the same as without. A second
     `fit` compiles nothing. Shared layers have no blocks to stack, and rows
     packing several examples do not run the backbone's call: no loop."""
-    import threading
     from concurrent.futures import wait as wait_futures
 
     from kbert.backend import jax_compile
@@ -631,13 +630,7 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, request, 
     monkeypatch.setattr(
         jax_compile, "step_options", lambda model, steps: {"xla_gpu_autotune_level": 0}
     )
-    release = threading.Event()
-    compile_program = jax_compile._compile
-
-    def held_own_programs(lowered, loop=False):
-        if not loop:
-            release.wait(60)
-        return compile_program(lowered, loop)
+    release = _hold_own_programs(monkeypatch, request, jax_compile)
 
     class Release(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -647,8 +640,6 @@ def test_jax_fit_runs_its_first_steps_on_the_loop_program(monkeypatch, request, 
                 own = [entry[1] for entry in programs.programs.values()]
                 assert own and all(f.done() for f in wait_futures(own, timeout=60).done)
 
-    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
-    request.addfinalizer(release.set)  # no worker left waiting if the test fails
     weights, runs = [], []
     with step_compiles() as compiles:
         for first in (False, True):
@@ -744,6 +735,24 @@ def test_jax_fit_returns_before_unneeded_programs_compile(monkeypatch):
     assert "MainThread" not in compiles and 3 <= jax_compile.first_program_steps(model) <= 6
     for got, want in zip(*weights):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def _hold_own_programs(monkeypatch, request, jax_compile):
+    """The step's own programs compile only once the returned event is
+    set (loop programs at once); set at the test's end in any case."""
+    import threading
+
+    release = threading.Event()
+    request.addfinalizer(release.set)  # no worker left waiting if the test fails
+    compile_program = jax_compile._compile
+
+    def held_own_programs(lowered, loop=False):
+        if not loop:
+            release.wait(60)
+        return compile_program(lowered, loop)
+
+    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
+    return release
 
 
 def _fast_looping_fit(monkeypatch):
@@ -859,20 +868,10 @@ def test_jax_fit_runs_on_a_loop_program_while_an_earlier_fits_own_program_compil
     """A fit whose steps all ran on the loop program, its own program still
     compiling, leaves the shape unmarked: the next fit compiles a loop
     program again rather than wait for the own one."""
-    import threading
 
     jax_compile = _fast_looping_fit(monkeypatch)
     monkeypatch.setattr(jax_compile, "OWN_PROGRAM_MIN_STEPS", 0)
-    release = threading.Event()
-    request.addfinalizer(release.set)
-    compile_program = jax_compile._compile
-
-    def held_own_programs(lowered, loop=False):
-        if not loop:
-            release.wait(60)
-        return compile_program(lowered, loop)
-
-    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
+    _hold_own_programs(monkeypatch, request, jax_compile)
     model, x, y = looping_task()
     model.compile(optimizer=keras.optimizers.SGD(0.05))
     model.fit(x, y, batch_size=8, verbose=0, bucket_lengths=16)
@@ -923,21 +922,11 @@ def test_jax_predict_runs_its_first_batches_on_loop_programs(monkeypatch, reques
     first, with the same outputs; once the own programs are compiled, a
     second predict runs on them. Without first programs no loop program
     is made."""
-    import threading
 
     model, x, _ = looping_task()
     want = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)  # a plain predict
     jax_compile = _fast_looping_fit(monkeypatch)
-    release = threading.Event()
-    request.addfinalizer(release.set)  # no worker left waiting if the test fails
-    compile_program = jax_compile._compile
-
-    def held_own_programs(lowered, loop=False):
-        if not loop:
-            release.wait(60)
-        return compile_program(lowered, loop)
-
-    monkeypatch.setattr(jax_compile, "_compile", held_own_programs)
+    release = _hold_own_programs(monkeypatch, request, jax_compile)
     model, x, _ = looping_task()
     with step_compiles() as compiles:
         got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)

@@ -612,6 +612,15 @@ def runs_our_step(model):
     return not model.jit_compile
 
 
+def graphs_training(model):
+    """Whether `fit` replays `model`'s training step as CUDA graphs, one per
+    batch shape (`fit_context`)."""
+    graph = getattr(model, "cuda_graph", "auto")
+    return bool(
+        runs_our_step(model) and graph and cuda_graph_supported(model, force=graph is True)
+    )
+
+
 @contextlib.contextmanager
 def fit_context(model):
     """What a task's `fit` runs inside on torch: batches made on the host,

@@ -61,6 +61,14 @@ PACK_SHAPE_COST = 8
 # On a GPU or TPU a compilation costs thousands of steps: one row count.
 ACCELERATOR_PACK_SHAPE_COST = 10_000
 PACK_MAX_SHARE = 0.8
+# torch replaying the training step as CUDA graphs: a new batch shape runs
+# eagerly once, then is captured, 0.3 to 0.4 s together for BERT-base on an
+# H200, the time of about 120,000 token positions of its replayed steps
+# (36 ms for 32 x 384). `fit` pads the batches of a rare bucket length up
+# to a longer bucket where that costs fewer positions than this, over the
+# fit's epochs (`cheapest_buckets`): an XQuAD epoch's 39 batches of up to
+# 384 tokens ran as 7 shapes, and mostly as one since.
+GRAPH_SHAPE_COST = 65_536
 
 
 def default_multiple(model=None):
@@ -96,6 +104,19 @@ def training_multiple(model, x):
         full = np.shape(x["padding_mask"])[-1]
         return bucket_length(int(np.max(needed_lengths(x), initial=1)), full)
     return default_multiple(model)
+
+
+def training_shape_cost(model, batch_size, epochs):
+    """The `shape_cost` of `fit`'s batches (`BucketedBatches`): where torch
+    replays the training step as CUDA graphs, `GRAPH_SHAPE_COST` positions
+    in columns of a batch, shared by the fit's epochs; else 0."""
+    if not is_torch():
+        return 0.0
+    from kbert.backend import torch_step
+
+    if not torch_step.graphs_training(model):
+        return 0.0
+    return GRAPH_SHAPE_COST / max(int(batch_size), 1) / max(int(epochs), 1)
 
 
 def bucket_length(longest, full, multiple=MULTIPLE):
@@ -207,6 +228,11 @@ class BucketedBatches(BatchList):
         token_targets: bool. targets and weights with a last axis of T
             (per-token labels) are cut with the inputs.
         multiple: int. bucket lengths are its multiples.
+        shape_cost: float. what one more bucket length costs, in columns
+            of one batch (a compilation or a capture); 0: none. The bucket
+            lengths are then the cheapest set (`cheapest_buckets`) for the
+            first epoch's batches, each batch padded to the shortest that
+            holds it.
     """
 
     def __init__(
@@ -220,8 +246,11 @@ class BucketedBatches(BatchList):
         sort=False,
         token_targets=False,
         multiple=MULTIPLE,
+        shape_cost=0.0,
     ):
         super().__init__([])
+        self.shape_cost = float(shape_cost)
+        self.length_buckets = None  # fixed by the first epoch, where shape_cost
         self.x, self.y, self.sample_weight = x, y, sample_weight
         self.batch_size = int(batch_size)
         self.shuffle, self.group_by_length, self.sort = shuffle, group_by_length, sort
@@ -251,9 +280,15 @@ class BucketedBatches(BatchList):
         if self.group_by_length and self.shuffle:
             batches = [batches[i] for i in np.random.permutation(len(batches))]
         self.batches = batches
-        self.batch_lengths = [
+        lengths = [
             bucket_length(self.lengths[rows].max(), self.full, self.multiple) for rows in batches
         ]
+        if self.shape_cost and self.length_buckets is None:
+            # later epochs reuse these (their batches are no longer than the longest)
+            self.length_buckets = cheapest_buckets(lengths, self.shape_cost)
+        if self.length_buckets:
+            lengths = [next((b for b in self.length_buckets if b >= n), n) for n in lengths]
+        self.batch_lengths = lengths
 
     def __getitem__(self, index):
         rows = self.batches[index]
@@ -304,12 +339,13 @@ def pack_rows(lengths, row_length):
     return row, start, len(used)
 
 
-def row_buckets(counts, shape_cost):
-    """The row counts to pad packed batches to, for batches that need
-    `counts` rows: each distinct bucket is one more program to compile
-    (worth `shape_cost` rows of work), each batch padded to the smallest
-    bucket that holds it; the set of least total cost (exact, by dynamic
-    programming over the distinct counts)."""
+def cheapest_buckets(counts, shape_cost):
+    """The sizes to pad batches to, for batches that need `counts` (rows of
+    packed batches, or columns): each distinct bucket is one more program
+    to compile or graph to capture (worth `shape_cost` rows or columns of
+    work), each batch padded to the smallest bucket that holds it; the set
+    of least total cost (exact, by dynamic programming over the distinct
+    counts)."""
     values, freq = np.unique(np.asarray(counts), return_counts=True)
     best = [0.0] + [np.inf] * len(values)
     cut = [0] * (len(values) + 1)
@@ -329,7 +365,7 @@ class PackedBatches(BucketedBatches):
     """`BucketedBatches` (the same batches, in the same order) with several
     examples per row: each batch of examples is placed in rows of
     `row_length` columns (`pack_rows`), and those padded to one of a few
-    row counts (`row_buckets`). For tasks whose outputs are per example
+    row counts (`cheapest_buckets`). For tasks whose outputs are per example
     (`BertClassifier`): short texts then cost their tokens, not the
     batch's longest text times its size. The inputs are those of
     `BertBackbone.packed_outputs`; targets and weights are per example,
@@ -386,7 +422,7 @@ class PackedBatches(BucketedBatches):
         counts = [placement[2] for placement in self.placements]
         if self.buckets is None:
             cost = ACCELERATOR_PACK_SHAPE_COST if on_accelerator() else PACK_SHAPE_COST
-            self.buckets = row_buckets(counts, cost * float(np.median(counts)))
+            self.buckets = cheapest_buckets(counts, cost * float(np.median(counts)))
         self.batch_rows = [next((b for b in self.buckets if b >= count), count) for count in counts]
 
     def positions(self):

@@ -179,7 +179,16 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             )
 
     def _bucketed(
-        self, x, y, sample_weight, batch_size, shuffle, multiple, group_by_length=False, pack=False
+        self,
+        x,
+        y,
+        sample_weight,
+        batch_size,
+        shuffle,
+        multiple,
+        group_by_length=False,
+        pack=False,
+        shape_cost=0.0,
     ):
         if pack is None and not batching.packs_by_default():
             pack = False
@@ -213,6 +222,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
             group_by_length=group_by_length,
             token_targets=self.token_targets,
             multiple=multiple,
+            shape_cost=shape_cost,
         ).as_dataset()
 
     def fit(
@@ -271,6 +281,9 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
                 bucket_lengths,
                 group_by_length,
                 pack=pack_rows,
+                shape_cost=batching.training_shape_cost(
+                    self, a["batch_size"] or 32, a["epochs"] - a["initial_epoch"]
+                ),
             )
             a.update(y=None, sample_weight=None, batch_size=None, shuffle=False)
         elif pack_rows:

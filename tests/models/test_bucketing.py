@@ -257,6 +257,93 @@ def test_few_shapes_per_fit():
     assert len(shapes) <= len(lengths) + 1 and len(lengths) <= -(-T // multiple)
 
 
+def _skewed(n=64, full=64, seed=0):
+    """Inputs (n, full) of mostly short rows and a few long ones."""
+    rng = np.random.default_rng(seed)
+    lengths = np.where(rng.random(n) < 0.9, rng.integers(2, 16, n), rng.integers(17, full + 1, n))
+    mask = (np.arange(full) < lengths[:, None]).astype("int32")
+    ids = rng.integers(5, 97, (n, full)).astype("int32") * mask
+    return {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+
+
+def test_rare_bucket_lengths_pad_up_where_a_new_shape_costs_more():
+    """With a `shape_cost` (torch replaying CUDA graphs), the batches of a
+    rare bucket length are padded up to a longer bucket where that costs
+    fewer columns than one more shape: the cheapest set for the first
+    epoch (`cheapest_buckets`), kept for later epochs; every example still
+    once per epoch, with every real token."""
+    x = _skewed()
+    y = np.arange(64)
+
+    def make(cost):
+        np.random.seed(0)
+        return batching.BucketedBatches(x, y, batch_size=4, shuffle=True, shape_cost=cost)
+
+    plain = make(0)
+    raw = list(plain.batch_lengths)
+    assert len(set(raw)) >= 3  # several bucket lengths to merge
+    for cost, kept in [(0.5, set(raw)), (10_000, {max(raw)})]:
+        assert set(make(cost).batch_lengths) == kept  # nothing merged / all in one
+    for cost in (8, 40):
+        data = make(cost)
+        buckets = batching.cheapest_buckets(raw, cost)
+        assert data.length_buckets == buckets
+        assert data.batch_lengths == [min(b for b in buckets if b >= n) for n in raw]
+        assert [r.tolist() for r in data.batches] == [r.tolist() for r in plain.batches]
+        for _ in range(2):  # this epoch and the next, in a new order
+            seen = []
+            for i in range(len(data)):
+                (batch, labels) = data[i]
+                assert batch["padding_mask"].shape[-1] in buckets
+                np.testing.assert_array_equal(
+                    batch["padding_mask"].sum(-1), x["padding_mask"][labels].sum(-1)
+                )
+                seen.extend(labels.tolist())
+            assert sorted(seen) == list(range(64))
+            data.on_epoch_end()
+    # a new shape worth 8 columns: the padding it saves decides
+    assert len(make(8).length_buckets) > len(make(40).length_buckets) >= 1
+
+
+def test_fit_pads_rare_lengths_up_only_where_the_step_replays_cuda_graphs(monkeypatch):
+    """`fit` merges rare bucket lengths only where torch replays its
+    training step as CUDA graphs (forced here; the batching is the same
+    code on a CPU): a shape costs `GRAPH_SHAPE_COST` positions, shared by
+    the fit's epochs. Elsewhere each batch keeps its own bucket."""
+    model = kbert.BertClassifier(backbone(), 3, dropout=0.0)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    assert batching.training_shape_cost(model, 4, 1) == 0.0  # no graphs on this machine's CPU
+    x = {k: v[:, :32] for k, v in _skewed(full=32).items()}
+    y = np.zeros(64, "int32")
+
+    def lengths_of_fit():
+        lengths = []
+        original = model.train_step
+
+        def train_step(*args):  # (data) or, on JAX, (state, data)
+            lengths.append(args[-1][0]["token_ids"].shape[-1])
+            return original(*args)
+
+        model.train_step = train_step
+        try:
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0, bucket_lengths=16)
+        finally:
+            del model.train_step
+        return [n for n in lengths if n is not None]  # None: a TF trace of unknown length
+
+    assert set(lengths_of_fit()) == {16, 32}
+    if keras.backend.backend() != "torch":
+        return
+    from kbert.backend import torch_step
+
+    monkeypatch.setattr(torch_step, "graphs_training", lambda model: True)
+    cost = batching.GRAPH_SHAPE_COST
+    assert batching.training_shape_cost(model, 4, 2) == cost / 4 / 2
+    assert set(lengths_of_fit()) == {32}  # 16 columns x 16 batches < one more graph
+    monkeypatch.setattr(batching, "GRAPH_SHAPE_COST", 4 * 15)  # a shape worth 15 columns
+    assert set(lengths_of_fit()) == {16, 32}
+
+
 def test_jax_on_an_accelerator_fits_one_shape(monkeypatch):
     """Where a new shape recompiles the step for no faster steps (JAX on a
     GPU or TPU), `fit` and `evaluate` cut every batch to one length: the

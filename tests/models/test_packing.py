@@ -55,7 +55,7 @@ def test_pack_rows_places_every_example_once_inside_its_row():
         assert all((free[:r] < n).all() for r, n in zip(row, lengths))
 
 
-def test_row_buckets_are_the_cheapest_set():
+def test_cheapest_buckets_are_the_cheapest_set():
     rng = np.random.default_rng(1)
     for _ in range(30):
         counts = rng.integers(3, 12, int(rng.integers(1, 30)))
@@ -71,7 +71,7 @@ def test_row_buckets_are_the_cheapest_set():
             for k in range(len(values))
             for subset in itertools.combinations(values[:-1], k)
         )
-        buckets = batching.row_buckets(counts, shape_cost)
+        buckets = batching.cheapest_buckets(counts, shape_cost)
         assert buckets[-1] == values[-1]
         assert cost(buckets) == pytest.approx(best)
 

@@ -616,9 +616,7 @@ def graphs_training(model):
     """Whether `fit` replays `model`'s training step as CUDA graphs, one per
     batch shape (`fit_context`)."""
     graph = getattr(model, "cuda_graph", "auto")
-    return bool(
-        runs_our_step(model) and graph and cuda_graph_supported(model, force=graph is True)
-    )
+    return bool(runs_our_step(model) and graph and cuda_graph_supported(model, force=graph is True))
 
 
 @contextlib.contextmanager

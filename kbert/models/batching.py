@@ -62,12 +62,13 @@ PACK_SHAPE_COST = 8
 ACCELERATOR_PACK_SHAPE_COST = 10_000
 PACK_MAX_SHARE = 0.8
 # torch replaying the training step as CUDA graphs: a new batch shape runs
-# eagerly once, then is captured, 0.3 to 0.4 s together for BERT-base on an
-# H200, the time of about 120,000 token positions of its replayed steps
-# (36 ms for 32 x 384). `fit` pads the batches of a rare bucket length up
-# to a longer bucket where that costs fewer positions than this, over the
-# fit's epochs (`cheapest_buckets`): an XQuAD epoch's 39 batches of up to
-# 384 tokens ran as 7 shapes, and mostly as one since.
+# eagerly once, then is captured, 0.3 to 0.4 s more than two replays for
+# BERT-base on an H200, the time of about 100,000 token positions of
+# replayed steps (36 ms for 32 x 384). `fit` pads the batches of a rare
+# bucket length up to a longer bucket where that costs fewer positions
+# than this, over the fit's epochs (`cheapest_buckets`): XQuAD's 39
+# batches of up to 384 tokens run as one shape and a final partial batch
+# instead of 7 shapes (benchmarks/RESULTS.md).
 GRAPH_SHAPE_COST = 65_536
 
 

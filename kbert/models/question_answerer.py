@@ -180,7 +180,9 @@ class BertQuestionAnswerer(Task):
         length = self.preprocessor.sequence_length
         rows = collections.defaultdict(list)
         question_ids = tokenizer.tokenize(questions)
-        context_tokens = {}  # each distinct context tokenized once (SQuAD: ~5 questions each)
+        # each distinct context tokenized once (SQuAD: ~5 questions each), all in one call
+        distinct = list(dict.fromkeys(contexts))
+        context_tokens = dict(zip(distinct, tokenizer.tokenize_with_offsets(distinct)))
         for index, (question, context) in enumerate(zip(questions, contexts)):
             query = question_ids[index][: self.max_query_length]
             room = length - len(query) - 3
@@ -189,8 +191,6 @@ class BertQuestionAnswerer(Task):
                     f"sequence_length={length} leaves no room for the context after a "
                     f"{len(query)}-token question; raise sequence_length or lower max_query_length"
                 )
-            if context not in context_tokens:
-                context_tokens[context] = tokenizer.tokenize_with_offsets(context)
             ids, starts, ends = context_tokens[context]
             span = self._answer_tokens(
                 answers[index] if answers is not None else None, context, starts, ends, index

@@ -146,6 +146,7 @@ class BertTokenizer:
         self._patterns = _Patterns.get(rules)
         self._engine = self._build_engine()
         self._cache = {}
+        self._unit_pieces = {}  # normalisation unit -> its normalised text
         self._tf = None
 
     # --- construction -----------------------------------------------------
@@ -326,26 +327,36 @@ class BertTokenizer:
         cache = self._word_ids(words)
         return [(w, list(cache[w])) for w in words]
 
-    def tokenize_with_offsets(self, text):
-        """(ids, starts, ends): each token's character span in the original text.
+    def tokenize_with_offsets(self, inputs):
+        """(ids, starts, ends): each token's character span in the original text;
+        a list of texts -> a list of them (the words of all WordPiece'd in
+        one call).
 
         Spans cover the characters the token came from ([UNK] words cover the
         whole word); continuation pieces cover their part of the word.
         """
-        ids = self.tokenize(text)
-        starts, ends = [], []
-        normalized, origin, origin_end = self._normalize_with_origin(text)
-        word_spans = [m.span() for m in self._patterns.words.finditer(normalized)]
-        words = [normalized[s:e] for s, e in word_spans]
-        encodings = self._encode_words(words, offsets=True) if words else []
-        for (start, end), (_, piece_offsets) in zip(word_spans, encodings):
-            for piece_start, piece_end in piece_offsets:
-                s, e = start + piece_start, start + piece_end
-                starts.append(origin[s])
-                ends.append(origin_end[e - 1])
-        if len(starts) != len(ids):  # per-character normalisation diverged (rare)
-            raise AssertionError("offset alignment failed")
-        return ids, np.asarray(starts, "int64"), np.asarray(ends, "int64")
+        if isinstance(inputs, str):
+            return self._tokenize_with_offsets([inputs])[0]
+        return self._tokenize_with_offsets(list(inputs))
+
+    @with_gc_paused
+    def _tokenize_with_offsets(self, texts):
+        ids = self._tokenize_batch(texts)
+        normalized = [self._normalize_with_origin(text) for text in texts]
+        spans = [[m.span() for m in self._patterns.words.finditer(n[0])] for n in normalized]
+        words = list({n[0][s:e] for n, row in zip(normalized, spans) for s, e in row})
+        pieces = {w: offsets for w, (_, offsets) in zip(words, self._encode_words(words, True))}
+        out = []
+        for text_ids, (text, origin, origin_end), row in zip(ids, normalized, spans):
+            starts, ends = [], []
+            for start, end in row:
+                for piece_start, piece_end in pieces[text[start:end]]:
+                    starts.append(origin[start + piece_start])
+                    ends.append(origin_end[start + piece_end - 1])
+            if len(starts) != len(text_ids):  # per-character normalisation diverged (rare)
+                raise AssertionError("offset alignment failed")
+            out.append((text_ids, np.asarray(starts, "int64"), np.asarray(ends, "int64")))
+        return out
 
     def _normalize_with_origin(self, text):
         """Normalisation unit by unit, with the source span of each output char.
@@ -364,16 +375,27 @@ class BertTokenizer:
 
     def _normalize_units(self, text):
         """`_normalize_with_origin`, unit by unit."""
-        pieces, origin, origin_end = [], [], []
-        for start, end in self._units(text):
-            unit = text[start:end]
-            if unit.isascii() and unit.isalnum():
-                piece = unit.lower() if self.lowercase else unit
+        known = self._unit_pieces
+        if len(known) > _CACHE_SIZE:
+            known.clear()
+        units = self._units(text)
+        if units is None:  # one unit per character
+            pieces = [known[c] if c in known else self._unit_piece(c) for c in text]
+            if all(len(piece) == 1 for piece in pieces):
+                origin, origin_end = list(range(len(text))), list(range(1, len(text) + 1))
             else:
-                piece = self.normalize(unit)
-            pieces.append(piece)
-            origin.extend([start] * len(piece))
-            origin_end.extend([end] * len(piece))
+                origin, origin_end = [], []
+                for start, piece in enumerate(pieces):
+                    origin.extend([start] * len(piece))
+                    origin_end.extend([start + 1] * len(piece))
+        else:
+            pieces, origin, origin_end = [], [], []
+            for start, end in units:
+                unit = text[start:end]
+                piece = known[unit] if unit in known else self._unit_piece(unit)
+                pieces.append(piece)
+                origin.extend([start] * len(piece))
+                origin_end.extend([end] * len(piece))
         normalized = "".join(pieces)
         if not text.isascii():
             whole = self.normalize(text)
@@ -381,9 +403,20 @@ class BertTokenizer:
                 normalized = whole
         return normalized, origin, origin_end
 
+    def _unit_piece(self, unit):
+        """A normalisation unit's normalised text, kept for the next time."""
+        if unit.isascii() and unit.isalnum():
+            piece = unit.lower() if self.lowercase else unit
+        else:
+            piece = self.normalize(unit)
+        self._unit_pieces[unit] = piece
+        return piece
+
     def _units(self, text):
+        """(start, end) of each normalisation unit of `text`; None where each
+        character is one."""
         if not self._nfc or text.isascii() or unicodedata.is_normalized("NFC", text):
-            return [(i, i + 1) for i in range(len(text))]
+            return None
         second = ut.composing_second()
         cuts = [i for i, c in enumerate(text) if not unicodedata.combining(c) and c not in second]
         cuts = ([0] if not cuts or cuts[0] else []) + cuts + [len(text)]

@@ -65,7 +65,8 @@ def test_qa_features_use_doc_stride_and_mark_answers(backbone, preprocessor):
 
 def test_qa_features_tokenize_each_distinct_context_once(backbone, preprocessor, monkeypatch):
     """Questions on the same context (SQuAD has about five per context) get
-    the features each would alone; the context is tokenized once."""
+    the features each would alone; the context is tokenized once, with the
+    others in one call."""
     qa = kbert.BertQuestionAnswerer(backbone, preprocessor, doc_stride=4, max_query_length=4)
     questions = ["where is the cat", "what is the cat on", "what is paris"]
     contexts = [CONTEXTS[0], CONTEXTS[0], CONTEXTS[1]]
@@ -74,13 +75,13 @@ def test_qa_features_tokenize_each_distinct_context_once(backbone, preprocessor,
     calls = []
     tokenize = tokenizer.tokenize_with_offsets
 
-    def counted(text):
-        calls.append(text)
-        return tokenize(text)
+    def counted(texts):
+        calls.append(texts)
+        return tokenize(texts)
 
     monkeypatch.setattr(tokenizer, "tokenize_with_offsets", counted)
     together = qa.prepare_features(questions, contexts)
-    assert calls == [CONTEXTS[0], CONTEXTS[1]]
+    assert calls == [[CONTEXTS[0], CONTEXTS[1]]]  # one call, each context once
     for name in ("token_starts", "token_ends", "context_mask"):
         np.testing.assert_array_equal(
             getattr(together, name), np.concatenate([getattr(f, name) for f in alone])

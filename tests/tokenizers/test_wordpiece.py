@@ -222,6 +222,20 @@ def test_offsets_point_into_the_original_text(uncased):
         assert uncased.normalize(text[s:e]).replace(" ", "") == piece
 
 
+def test_offsets_of_a_list_of_texts_are_each_texts_own(uncased):
+    """A list of texts (their words WordPiece'd in one call) gives each
+    text's own ids and spans, empty texts and repeated words included."""
+    texts = ["Héllo, WORLD!", "", "world héllo world", "Naïve\u200bcafé 中文", "unaffable"]
+    together = uncased.tokenize_with_offsets(texts)
+    assert len(together) == len(texts)
+    for text, (ids, starts, ends) in zip(texts, together):
+        alone = uncased.tokenize_with_offsets(text)
+        assert ids == alone[0] == uncased.tokenize(text)
+        np.testing.assert_array_equal(starts, alone[1])
+        np.testing.assert_array_equal(ends, alone[2])
+    assert together[1][0] == [] and together[1][1].shape == (0,)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     text=st.text(st.characters(min_codepoint=0, max_codepoint=127), max_size=60),

@@ -38,6 +38,7 @@ def is_concrete(x):
 
         return (
             isinstance(x, torch.Tensor)
+            and not x.is_meta  # shapes only: Keras' symbolic build runs the model on these
             and not torch.compiler.is_compiling()
             and not cuda_graph_capturing(x)
         )

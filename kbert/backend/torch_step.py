@@ -614,8 +614,11 @@ def runs_our_step(model):
 
 def graphs_training(model):
     """Whether `fit` replays `model`'s training step as CUDA graphs, one per
-    batch shape (`fit_context`)."""
+    batch shape (`fit_context`, without its side effects: a model already
+    wrapped by DDP trains eagerly)."""
     graph = getattr(model, "cuda_graph", "auto")
+    if torch_ddp.active() and "_kbert_ddp" in model.__dict__:
+        return False
     return bool(runs_our_step(model) and graph and cuda_graph_supported(model, force=graph is True))
 
 

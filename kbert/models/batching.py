@@ -64,11 +64,12 @@ PACK_MAX_SHARE = 0.8
 # torch replaying the training step as CUDA graphs: a new batch shape runs
 # eagerly once, then is captured, 0.3 to 0.4 s more than two replays for
 # BERT-base on an H200, the time of about 100,000 token positions of
-# replayed steps (36 ms for 32 x 384). `fit` pads the batches of a rare
-# bucket length up to a longer bucket where that costs fewer positions
-# than this, over the fit's epochs (`cheapest_buckets`): XQuAD's 39
-# batches of up to 384 tokens run as one shape and a final partial batch
-# instead of 7 shapes (benchmarks/RESULTS.md).
+# replayed steps (36 ms for 32 x 384). Set below that, so that a rare
+# length is merged only where it clearly pays: `fit` pads the batches of a
+# rare bucket length up to a longer bucket where that costs fewer
+# positions than this, over the fit's epochs (`cheapest_buckets`).
+# XQuAD's 39 batches of up to 384 tokens run at one length instead of 7
+# (benchmarks/RESULTS.md).
 GRAPH_SHAPE_COST = 65_536
 
 
@@ -110,14 +111,16 @@ def training_multiple(model, x):
 def training_shape_cost(model, batch_size, epochs):
     """The `shape_cost` of `fit`'s batches (`BucketedBatches`): where torch
     replays the training step as CUDA graphs, `GRAPH_SHAPE_COST` positions
-    in columns of a batch, shared by the fit's epochs; else 0."""
+    in columns of this process's rows of a batch (torch-ddp splits each
+    batch), shared by the fit's epochs; else 0."""
     if not is_torch():
         return 0.0
-    from kbert.backend import torch_step
+    from kbert.backend import torch_ddp, torch_step
 
     if not torch_step.graphs_training(model):
         return 0.0
-    return GRAPH_SHAPE_COST / max(int(batch_size), 1) / max(int(epochs), 1)
+    mine = torch_ddp.rows(batch_size)
+    return GRAPH_SHAPE_COST / max(mine.stop - mine.start, 1) / max(int(epochs), 1)
 
 
 def bucket_length(longest, full, multiple=MULTIPLE):

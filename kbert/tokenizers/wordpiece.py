@@ -40,6 +40,9 @@ from kbert.utils.files import load_json, preset_file
 from kbert.utils.host import with_gc_paused
 
 _CACHE_SIZE = 1 << 20
+# Texts per WordPiece call of `tokenize_with_offsets` on a list: each holds
+# two Python ints per character until its spans are made.
+_OFFSETS_CHUNK = 1024
 VOCAB_FILE = "vocab.txt"
 CONFIG_FILE = "tokenizer_config.json"
 RULES = ("original", "transformers")
@@ -337,24 +340,30 @@ class BertTokenizer:
         """
         if isinstance(inputs, str):
             return self._tokenize_with_offsets([inputs])[0]
-        return self._tokenize_with_offsets(list(inputs))
+        texts = list(inputs)
+        out = []
+        for begin in range(0, len(texts), _OFFSETS_CHUNK):  # bounds the character maps held
+            out += self._tokenize_with_offsets(texts[begin : begin + _OFFSETS_CHUNK], begin)
+        return out
 
     @with_gc_paused
-    def _tokenize_with_offsets(self, texts):
+    def _tokenize_with_offsets(self, texts, first=0):
         ids = self._tokenize_batch(texts)
         normalized = [self._normalize_with_origin(text) for text in texts]
         spans = [[m.span() for m in self._patterns.words.finditer(n[0])] for n in normalized]
         words = list({n[0][s:e] for n, row in zip(normalized, spans) for s, e in row})
         pieces = {w: offsets for w, (_, offsets) in zip(words, self._encode_words(words, True))}
         out = []
-        for text_ids, (text, origin, origin_end), row in zip(ids, normalized, spans):
+        for index, (text_ids, (text, origin, origin_end), row) in enumerate(
+            zip(ids, normalized, spans)
+        ):
             starts, ends = [], []
             for start, end in row:
                 for piece_start, piece_end in pieces[text[start:end]]:
                     starts.append(origin[start + piece_start])
                     ends.append(origin_end[start + piece_end - 1])
             if len(starts) != len(text_ids):  # per-character normalisation diverged (rare)
-                raise AssertionError("offset alignment failed")
+                raise AssertionError(f"offset alignment failed (text {first + index})")
             out.append((text_ids, np.asarray(starts, "int64"), np.asarray(ends, "int64")))
         return out
 
@@ -380,7 +389,9 @@ class BertTokenizer:
             known.clear()
         units = self._units(text)
         if units is None:  # one unit per character
-            pieces = [known[c] if c in known else self._unit_piece(c) for c in text]
+            pieces = [
+                piece if (piece := known.get(c)) is not None else self._unit_piece(c) for c in text
+            ]
             if all(len(piece) == 1 for piece in pieces):
                 origin, origin_end = list(range(len(text))), list(range(1, len(text) + 1))
             else:
@@ -392,7 +403,9 @@ class BertTokenizer:
             pieces, origin, origin_end = [], [], []
             for start, end in units:
                 unit = text[start:end]
-                piece = known[unit] if unit in known else self._unit_piece(unit)
+                piece = known.get(unit)
+                if piece is None:
+                    piece = self._unit_piece(unit)
                 pieces.append(piece)
                 origin.extend([start] * len(piece))
                 origin_end.extend([end] * len(piece))

@@ -106,8 +106,9 @@ def check_model_inputs(inputs, vocabulary_size, type_vocab_size, max_sequence_le
     Checks `token_ids` in [0, vocabulary_size), `segment_ids` in
     [0, type_vocab_size), `padding_mask` values 0/1, the token axis at most
     `max_sequence_length`, and `mask_positions` inside the token axis.
-    Arrays that are not on the host (tensors inside a traced step) are not
-    read. Cost: one pass over each array with numpy.
+    Arrays that hold no values to read (tensors inside a traced step,
+    torch's meta tensors of Keras' symbolic build) are not read. Cost: one
+    pass over each array with numpy.
     """
     if not isinstance(inputs, dict):
         return

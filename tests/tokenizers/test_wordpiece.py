@@ -225,15 +225,44 @@ def test_offsets_point_into_the_original_text(uncased):
 def test_offsets_of_a_list_of_texts_are_each_texts_own(uncased):
     """A list of texts (their words WordPiece'd in one call) gives each
     text's own ids and spans, empty texts and repeated words included."""
-    texts = ["Héllo, WORLD!", "", "world héllo world", "Naïve\u200bcafé 中文", "unaffable"]
-    together = uncased.tokenize_with_offsets(texts)
+    texts = ["Héllo, WORLD!", "", "world héllo world", "Naïve\u200bcafé 中文", "unaffable"] * 3
+    vocabulary = uncased.vocabulary
+    together = BertTokenizer(vocabulary, lowercase=True).tokenize_with_offsets(texts)
     assert len(together) == len(texts)
     for text, (ids, starts, ends) in zip(texts, together):
-        alone = uncased.tokenize_with_offsets(text)
-        assert ids == alone[0] == uncased.tokenize(text)
+        fresh = BertTokenizer(vocabulary, lowercase=True)  # its caches empty
+        alone = fresh.tokenize_with_offsets(text)
+        assert ids == alone[0] == fresh.tokenize(text)
         np.testing.assert_array_equal(starts, alone[1])
         np.testing.assert_array_equal(ends, alone[2])
+        for token_id, s, e in zip(ids, starts, ends):  # spans cover each piece's characters
+            piece = fresh.id_to_token(token_id).removeprefix("##")
+            assert fresh.normalize(text[s:e]).replace(" ", "") == piece
     assert together[1][0] == [] and together[1][1].shape == (0,)
+
+
+def test_offsets_of_many_texts_are_made_in_chunks(uncased, monkeypatch):
+    """A long list is tokenized a chunk of texts at a time (each holds its
+    character maps until its spans are made); a text whose spans cannot be
+    aligned is named by its index in the list."""
+    from kbert.tokenizers import wordpiece
+
+    monkeypatch.setattr(wordpiece, "_OFFSETS_CHUNK", 2)
+    texts = ["héllo world", "a", "", "world", "unaffable café"]
+    chunks = []
+    original = uncased._tokenize_with_offsets
+
+    def recording(part, first=0):
+        chunks.append((first, list(part)))
+        return original(part, first)
+
+    monkeypatch.setattr(uncased, "_tokenize_with_offsets", recording)
+    out = uncased.tokenize_with_offsets(texts)
+    assert chunks == [(0, texts[:2]), (2, texts[2:4]), (4, texts[4:])]
+    assert [ids for ids, _, _ in out] == uncased.tokenize(texts)
+    monkeypatch.setattr(uncased, "_normalize_with_origin", lambda t: (t + " x", [0] * 9, [1] * 9))
+    with pytest.raises(AssertionError, match=r"text 4\)"):
+        original(["abcdefg"], 4)
 
 
 @settings(max_examples=200, deadline=None)

@@ -348,23 +348,45 @@ class BertTokenizer:
 
     @with_gc_paused
     def _tokenize_with_offsets(self, texts, first=0):
-        ids = self._tokenize_batch(texts)
-        normalized = [self._normalize_with_origin(text) for text in texts]
-        spans = [[m.span() for m in self._patterns.words.finditer(n[0])] for n in normalized]
-        words = list({n[0][s:e] for n, row in zip(normalized, spans) for s, e in row})
-        pieces = {w: offsets for w, (_, offsets) in zip(words, self._encode_words(words, True))}
+        # Printable ASCII text normalises character by character in place
+        # (`_normalize_with_origin`): its words, ids and spans come from one
+        # pass. Other text is tokenized as `tokenize` does, and its spans
+        # from the normalisation unit by unit, checked against those ids.
+        plain = [text.isascii() and text.isprintable() for text in texts]
+        other = [text for text, is_plain in zip(texts, plain) if not is_plain]
+        other_ids = iter(self._tokenize_batch(other) if other else [])
+        p = self._patterns
+        lower = self.lowercase
+        prepared = []  # (ids or None, normalized, origin, origin_end or None, word spans)
+        for text, is_plain in zip(texts, plain):
+            if is_plain:
+                normalized = text.lower() if lower else text
+                spans = [m.span() for m in p.ascii_words.finditer(normalized)]
+                prepared.append((None, normalized, None, None, spans))
+            else:
+                normalized, origin, origin_end = self._normalize_with_origin(text)
+                spans = [m.span() for m in p.words.finditer(normalized)]
+                prepared.append((next(other_ids), normalized, origin, origin_end, spans))
+        words = list({n[s:e] for _, n, _, _, row in prepared for s, e in row})
+        pieces = dict(zip(words, self._encode_words(words, True)))
         out = []
-        for index, (text_ids, (text, origin, origin_end), row) in enumerate(
-            zip(ids, normalized, spans)
-        ):
+        for index, (text_ids, text, origin, origin_end, row) in enumerate(prepared):
             starts, ends = [], []
-            for start, end in row:
-                for piece_start, piece_end in pieces[text[start:end]]:
-                    starts.append(origin[start + piece_start])
-                    ends.append(origin_end[start + piece_end - 1])
-            if len(starts) != len(text_ids):  # per-character normalisation diverged (rare)
-                raise AssertionError(f"offset alignment failed (text {first + index})")
-            out.append((text_ids, np.asarray(starts, "int64"), np.asarray(ends, "int64")))
+            if origin is None:  # each character its own origin
+                text_ids = []
+                for start, end in row:
+                    word_ids, offsets = pieces[text[start:end]]
+                    text_ids += word_ids
+                    starts += [start + piece_start for piece_start, _ in offsets]
+                    ends += [start + piece_end for _, piece_end in offsets]
+            else:
+                for start, end in row:
+                    for piece_start, piece_end in pieces[text[start:end]][1]:
+                        starts.append(origin[start + piece_start])
+                        ends.append(origin_end[start + piece_end - 1])
+                if len(starts) != len(text_ids):  # per-character normalisation diverged (rare)
+                    raise AssertionError(f"offset alignment failed (text {first + index})")
+            out.append((list(text_ids), np.asarray(starts, "int64"), np.asarray(ends, "int64")))
         return out
 
     def _normalize_with_origin(self, text):

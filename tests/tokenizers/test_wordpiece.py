@@ -262,7 +262,7 @@ def test_offsets_of_many_texts_are_made_in_chunks(uncased, monkeypatch):
     assert [ids for ids, _, _ in out] == uncased.tokenize(texts)
     monkeypatch.setattr(uncased, "_normalize_with_origin", lambda t: (t + " x", [0] * 9, [1] * 9))
     with pytest.raises(AssertionError, match=r"text 4\)"):
-        original(["abcdefg"], 4)
+        original(["abcdéfg"], 4)  # not ASCII: its spans are checked against its ids
 
 
 @settings(max_examples=200, deadline=None)
@@ -275,6 +275,26 @@ def test_ascii_offsets_shortcut_is_the_unit_by_unit_normalisation(text, lowercas
     character origins: the same as normalising character by character."""
     tokenizer = BertTokenizer(minilm_vocab(), lowercase=lowercase)
     assert tokenizer._normalize_with_origin(text) == tokenizer._normalize_units(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    texts=st.lists(
+        st.text(st.characters(min_codepoint=0, max_codepoint=255), max_size=40), max_size=4
+    ),
+    lowercase=st.booleans(),
+)
+def test_offsets_are_the_ids_of_tokenize_and_cover_their_pieces(texts, lowercase):
+    """Printable ASCII text takes its ids and spans from one pass over its
+    words; other text from `tokenize` and the unit-by-unit normalisation:
+    either way the ids are `tokenize`'s and each span is its piece."""
+    tokenizer = BertTokenizer(minilm_vocab(), lowercase=lowercase)
+    for text, (ids, starts, ends) in zip(texts, tokenizer.tokenize_with_offsets(texts)):
+        assert ids == tokenizer.tokenize(text)
+        for token_id, s, e in zip(ids, starts, ends):
+            piece = tokenizer.id_to_token(token_id).removeprefix("##")
+            if piece != "[UNK]":
+                assert tokenizer.normalize(text[s:e]).replace(" ", "") == piece
 
 
 def test_detokenize_and_lookup(uncased):

@@ -291,7 +291,7 @@ class BucketedBatches(BatchList):
             # later epochs reuse these (their batches are no longer than the longest)
             self.length_buckets = cheapest_buckets(lengths, self.shape_cost)
         if self.length_buckets:
-            lengths = [next((b for b in self.length_buckets if b >= n), n) for n in lengths]
+            lengths = padded_to(lengths, self.length_buckets)
         self.batch_lengths = lengths
 
     def __getitem__(self, index):
@@ -365,6 +365,12 @@ def cheapest_buckets(counts, shape_cost):
     return sorted(buckets)
 
 
+def padded_to(counts, buckets):
+    """Each count padded to the smallest of the sorted `buckets` that holds
+    it; a count above them all stays as it is."""
+    return [next((b for b in buckets if b >= count), count) for count in counts]
+
+
 class PackedBatches(BucketedBatches):
     """`BucketedBatches` (the same batches, in the same order) with several
     examples per row: each batch of examples is placed in rows of
@@ -427,7 +433,7 @@ class PackedBatches(BucketedBatches):
         if self.buckets is None:
             cost = ACCELERATOR_PACK_SHAPE_COST if on_accelerator() else PACK_SHAPE_COST
             self.buckets = cheapest_buckets(counts, cost * float(np.median(counts)))
-        self.batch_rows = [next((b for b in self.buckets if b >= count), count) for count in counts]
+        self.batch_rows = padded_to(counts, self.buckets)
 
     def positions(self):
         """Token positions the model computes over an epoch: (packed, as

@@ -238,18 +238,28 @@ def test_each_example_once_per_epoch_in_a_seeded_order(group):
     assert not np.array_equal(first[0], other[0])
 
 
+def _fit_shapes(model, *args, **kwargs):
+    """The shape of `token_ids` in each training step of `model.fit(*args,
+    **kwargs)` (on TensorFlow, of its traces: None for an unknown length)."""
+    shapes = []
+    original = model.train_step
+
+    def train_step(*step_args):  # (data) or, on JAX, (state, data)
+        shapes.append(tuple(step_args[-1][0]["token_ids"].shape))
+        return original(*step_args)
+
+    model.train_step = train_step
+    try:
+        model.fit(*args, **kwargs)
+    finally:
+        del model.train_step
+    return shapes
+
+
 def test_few_shapes_per_fit():
     model, x, y, _ = task("classifier")
     model.compile(optimizer=keras.optimizers.SGD(0.05))
-    shapes = set()
-    original = model.train_step
-
-    def train_step(*args):  # (data) or, on JAX, (state, data)
-        shapes.add(tuple(args[-1][0]["token_ids"].shape))
-        return original(*args)
-
-    model.train_step = train_step
-    model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    shapes = set(_fit_shapes(model, x, y, batch_size=4, epochs=2, verbose=0))
     lengths = {shape[-1] for shape in shapes if shape[-1] is not None}  # None: one TF trace
     multiple = batching.default_multiple(model)
     assert all(length % multiple == 0 or length == T for length in lengths)
@@ -317,19 +327,8 @@ def test_fit_pads_rare_lengths_up_only_where_the_step_replays_cuda_graphs(monkey
     y = np.zeros(64, "int32")
 
     def lengths_of_fit():
-        lengths = []
-        original = model.train_step
-
-        def train_step(*args):  # (data) or, on JAX, (state, data)
-            lengths.append(args[-1][0]["token_ids"].shape[-1])
-            return original(*args)
-
-        model.train_step = train_step
-        try:
-            model.fit(x, y, batch_size=4, epochs=1, verbose=0, bucket_lengths=16)
-        finally:
-            del model.train_step
-        return lengths
+        shapes = _fit_shapes(model, x, y, batch_size=4, epochs=1, verbose=0, bucket_lengths=16)
+        return [shape[-1] for shape in shapes]
 
     lengths = lengths_of_fit()
     if keras.backend.backend() == "tensorflow":
@@ -363,15 +362,7 @@ def test_jax_on_an_accelerator_fits_one_shape(monkeypatch):
     short["padding_mask"][:, 16:] = 0
     assert batching.training_multiple(model, short) == 16
     model.compile(optimizer=keras.optimizers.SGD(0.05))
-    lengths = []
-    original = model.train_step
-
-    def train_step(*args):  # (data) or, on JAX, (state, data)
-        lengths.append(args[-1][0]["token_ids"].shape[-1])
-        return original(*args)
-
-    model.train_step = train_step
-    model.fit(short, y, batch_size=4, epochs=1, verbose=0)
+    lengths = [shape[-1] for shape in _fit_shapes(model, short, y, batch_size=4, verbose=0)]
     assert set(lengths) <= {16, None}  # None: one TF trace of unknown length
     # tf.data batches and predict_on_batch there: buckets of 64 (fewer compilations)
     assert batching.default_multiple(model) == batching.ACCELERATOR_MULTIPLE == 64

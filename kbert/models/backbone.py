@@ -227,6 +227,20 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             x = blocks_in_loop(self.transformer_layers, x, inputs["padding_mask"], training)
             jax_compile.note_looped()
             return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
+        if (
+            isinstance(inputs, dict)
+            and checks.is_shapes_only(inputs.get("token_ids"))
+            and self.can_loop_layers(inputs)
+        ):
+            # Keras' symbolic build on torch runs the model on meta tensors,
+            # op by op in Python (0.5 s for BERT-base's twelve blocks). The
+            # blocks are alike (`loops_layers`) and each keeps its input's
+            # shape, so the first one's output stands for the last one's.
+            x = self.get_layer("embeddings")(
+                inputs["token_ids"], inputs["segment_ids"], training=training
+            )
+            x = self.transformer_layers[0](x, inputs["padding_mask"], training=training)
+            return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
         return super().call(inputs, training=training, mask=mask, **kwargs)
 
     def can_loop_layers(self, inputs):

@@ -45,6 +45,16 @@ def is_concrete(x):
     return False
 
 
+def is_shapes_only(x):
+    """True for a torch meta tensor: Keras' symbolic build (`compute_output_spec`
+    on the torch backend) runs the model on these for shapes and dtypes only."""
+    if kbert_backend.name() != "torch":
+        return False
+    import torch
+
+    return isinstance(x, torch.Tensor) and x.is_meta
+
+
 def check_token_ids(token_ids, vocabulary_size, name="token_ids"):
     values = keras.ops.convert_to_numpy(token_ids)
     if values.size == 0:

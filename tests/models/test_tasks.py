@@ -77,6 +77,49 @@ def test_torch_fit_builds_on_shapes_only(backbone, preprocessor, monkeypatch, ta
     assert len([d for d in devices if d != "meta"]) == -(-len(y) // 4)  # one per step
 
 
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's meta device")
+@pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("task", ["classifier", "tagger", "qa"])
+def test_torch_symbolic_build_runs_one_block(preprocessor, monkeypatch, dtype, task):
+    """Keras' symbolic build runs the model on meta tensors op by op in
+    Python (0.5 s for BERT-base). The blocks are alike and keep their
+    input's shape, so the backbone runs the first only: the outputs'
+    shapes and dtypes are those of a real call."""
+    from keras.src.backend import compute_output_spec
+
+    config = {**TINY, "vocabulary_size": len(VOCAB), "num_layers": 3}
+    backbone = kbert.BertBackbone(**config, dtype=dtype)
+    model = {
+        "classifier": lambda: kbert.BertClassifier(backbone, num_classes=3, preprocessor=None),
+        "tagger": lambda: kbert.BertTokenClassifier(backbone, num_classes=5, preprocessor=None),
+        "qa": lambda: kbert.BertQuestionAnswerer(backbone, preprocessor=None),
+    }[task]()
+    x = preprocessor(TEXTS[:4])
+    blocks = []
+    call = type(backbone.transformer_layers[0]).call
+
+    def recording(self, inputs, *args, **kwargs):
+        blocks.append((self.name, inputs.device.type))
+        return call(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(type(backbone.transformer_layers[0]), "call", recording)
+    spec = compute_output_spec(
+        model,
+        {
+            k: keras.KerasTensor(v.shape, keras.backend.standardize_dtype(v.dtype))
+            for k, v in x.items()
+        },
+    )
+    assert blocks == [("transformer_layer_0", "meta")]
+    real = model(x, training=False)
+    assert len(blocks) == 1 + config["num_layers"]
+    assert keras.tree.map_structure(lambda t: (tuple(t.shape), t.dtype), spec) == (
+        keras.tree.map_structure(
+            lambda t: (tuple(t.shape), keras.backend.standardize_dtype(t.dtype)), real
+        )
+    )
+
+
 def test_classifier_pairs_and_tf_data(backbone, preprocessor):
     tf = pytest.importorskip("tensorflow")
     model = kbert.BertClassifier(backbone, num_classes=3, preprocessor=preprocessor)

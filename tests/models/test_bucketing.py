@@ -852,7 +852,7 @@ def _fast_looping_fit(monkeypatch):
 def test_jax_short_fit_runs_every_shape_on_loop_programs(monkeypatch):
     """A fit of fewer than `OWN_PROGRAM_MIN_STEPS` steps of each shape
     compiles loop programs only: one per shape, the last partial batch's
-    too (traced after the first batch's), and runs every step on them; a
+    too (traced after the update's and the first batch's), and runs every step on them; a
     second fit compiles nothing. The training is that of Keras' step."""
     jax_compile = _fast_looping_fit(monkeypatch)
     weights = []
@@ -865,8 +865,8 @@ def test_jax_short_fit_runs_every_shape_on_loop_programs(monkeypatch):
             if first:
                 log = sorted(jax_compile.compile_log(model), key=lambda e: e["trace_begin"])
                 assert [(e["shape"], e["loop"]) for e in log] == [
-                    ([5, 16], True),
                     ([], True),  # the update program the loop programs share
+                    ([5, 16], True),
                     ([4, 16], True),
                 ]
                 assert jax_compile.first_program_steps(model) == 10
@@ -900,12 +900,12 @@ def test_jax_long_fit_compiles_its_main_shape_once_the_first_loop_program_has(mo
         (own or loop).result(timeout=60)  # compiled (after the fit, if it was short)
     log = sorted(jax_compile.compile_log(model), key=lambda e: e["trace_begin"])
     assert [(e["shape"], e["loop"]) for e in log] == [
-        ([5, 16], True),
         ([], True),
+        ([5, 16], True),
         ([4, 16], True),
         ([5, 16], False),
     ]
-    lead, update, own = log[0], log[1], log[3]
+    update, lead, own = log[0], log[1], log[3]
     for first in (lead, update):  # the first step's programs compiled first
         assert own["compile_begin"] >= first["compile_begin"] + first["compile_seconds"]
 

@@ -479,12 +479,13 @@ class GraphedTrainStep:
 
     Lifetime: one `fit` (`Task.fit` makes it and drops it), so variables
     cannot be re-created under it. The first `WARMUP` steps of a fit run
-    eagerly on the capture stream (optimizer slots and metric variables are
-    built). If capture fails, a warning says why and the fit goes on
-    eagerly.
+    eagerly on the capture stream (optimizer slots, metric variables,
+    gradients and the libraries' per-stream state are made there); the
+    second step of the first batch's shape is captured. If capture fails,
+    a warning says why and the fit goes on eagerly.
     """
 
-    WARMUP = 2
+    WARMUP = 1
     MAX_GRAPHS = 16
 
     def __init__(self, model):

@@ -63,7 +63,7 @@ def test_torch_fit_builds_on_shapes_only(backbone, preprocessor, monkeypatch, ta
     else:
         model = kbert.BertQuestionAnswerer(backbone, preprocessor=preprocessor)
         x, y = (["what was good"] * 8, ["the movie was good"] * 8), [("movie", 4)] * 8
-    model.compile(learning_rate=1e-3)
+    model.compile(learning_rate=1e-3, cuda_graph=False)  # eager steps, on a GPU too
     devices = []
     call = type(backbone).call
 

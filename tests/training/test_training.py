@@ -511,10 +511,10 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
     for _ in range(2):
         history = graphed.fit(x, y, **fit).history
         reference = eager.fit(x, y, **fit).history
-        # 7 batches: 2 eager warm-up steps, the captured one, 4 replays
+        # 7 batches: 1 eager warm-up step, the captured one, 5 replays
         assert graphed.cuda_graph_stats == {
-            "replays": 5,
-            "eager_steps": 2,
+            "replays": 6,
+            "eager_steps": 1,
             "graphs": 1,
             "capture_failed": None,
         }
@@ -530,8 +530,8 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
         x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, bucket_lengths=False
     )  # 3 full batches and one of 2
     assert graphed.cuda_graph_stats == {
-        "replays": 1,
-        "eager_steps": 3,
+        "replays": 2,
+        "eager_steps": 2,
         "graphs": 1,
         "capture_failed": None,
     }
@@ -545,8 +545,8 @@ def test_cuda_graph_fit_trains_as_the_eager_fit():
         bucket_lengths=False,
     )
     assert graphed.cuda_graph_stats == {
-        "replays": 4,
-        "eager_steps": 3,
+        "replays": 5,
+        "eager_steps": 2,
         "graphs": 1,
         "capture_failed": None,
     }
@@ -574,10 +574,10 @@ def test_cuda_graph_replays_draw_new_dropout_masks():
         verbose=0,
         callbacks=[record],
     )
-    assert model.cuda_graph_stats["replays"] == repeat - 2
+    assert model.cuda_graph_stats["replays"] == repeat - 1
     # mlm_loss is a running mean: step k's own loss is k * m_k - (k - 1) * m_(k-1)
     step_losses = [losses[0]] + [(k + 1) * losses[k] - k * losses[k - 1] for k in range(1, repeat)]
-    replayed = step_losses[2:]
+    replayed = step_losses[1:]
     assert len(set(np.round(replayed, 5))) == len(replayed), step_losses
 
 
@@ -616,10 +616,10 @@ def test_cuda_graph_fine_tuning_trains_as_the_eager_fit(task):
         ).history
         models.append((model, history))
     (graphed, history), (eager, reference) = models
-    # 2 epochs of 6 batches: 2 eager warm-up steps, the captured one, 9 replays
+    # 2 epochs of 6 batches: 1 eager warm-up step, the captured one, 10 replays
     assert graphed.cuda_graph_stats == {
-        "replays": 10,
-        "eager_steps": 2,
+        "replays": 11,
+        "eager_steps": 1,
         "graphs": 1,
         "capture_failed": None,
     }

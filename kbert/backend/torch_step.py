@@ -596,48 +596,15 @@ def _copy_into(static, value):
 
 
 def warm_up(model):
-    """Before a `fit` prepares its inputs, on a GPU where it runs this
-    module's step: the first launch of torch's integer product reduction
-    starts in the background (`load_first_kernels`); and where the step
-    runs the Triton Adam kernel (kbert's AdamW), the kernel's first launch
-    (its compilation) too (`torch_triton.warm_up`). Returns the Triton
-    warm-up's thread, or None."""
-    if not runs_our_step(model) or not torch.cuda.is_available():
-        return None
-    device = torch.device(keras_internals.torch_device())
-    if device.type != "cuda":
-        return None
-    load_first_kernels(device)
+    """Before a `fit` prepares its inputs: where its step will run the
+    Triton Adam kernel (kbert's AdamW, on a GPU), the kernel's first launch
+    (its compilation) starts in the background (`torch_triton.warm_up`)."""
     optimizer = getattr(model, "optimizer", None)
-    if not getattr(optimizer, "updates_on_device", False) or getattr(optimizer, "amsgrad", False):
+    if not runs_our_step(model) or not getattr(optimizer, "updates_on_device", False):
         return None
-    return torch_triton.warm_up(device)
-
-
-# CUDA devices whose first kernels `load_first_kernels` has launched.
-_LOADED = set()
-
-
-def load_first_kernels(device):
-    """Launches, in a background thread, kernels whose first launch in a
-    process is slow and which a step launches: Keras' loss reduction
-    divides by the product of the batch's shape, an int32 `prod` on the
-    device, and CUDA loads the module of torch's product reduction at its
-    first launch: 1.05 s on an H200 (torch 2.11, CUDA 13), 0.2 ms after.
-    Once per device; returns the thread, or None."""
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device in _LOADED:
+    if getattr(optimizer, "amsgrad", False) or not torch.cuda.is_available():
         return None
-    _LOADED.add(device)
-
-    def load():
-        with torch.cuda.device(device):
-            torch.prod(torch.ones(2, dtype=torch.int32, device=device))
-
-    thread = threading.Thread(target=load, name="kbert-first-kernels", daemon=True)
-    thread.start()
-    return thread
+    return torch_triton.warm_up(torch.device(keras_internals.torch_device()))
 
 
 def runs_our_step(model):

@@ -5,8 +5,6 @@ nothing); the kernel's own tests need a CUDA GPU with Triton:
     CUDA_VISIBLE_DEVICES=0 KERAS_BACKEND=torch pytest tests/backend/test_torch_triton.py
 """
 
-import contextlib
-
 import keras
 import numpy as np
 import pytest
@@ -127,17 +125,14 @@ def test_a_warm_up_launches_on_the_callers_device(monkeypatch):
 
 def test_fit_warms_the_kernel_up_only_where_its_step_runs_it(monkeypatch):
     """`fit` starts the warm-up before tokenizing where kbert's AdamW
-    updates on a GPU; not for another optimizer, nor without a GPU. The
-    first kernels load on a GPU wherever kbert's step runs, whatever the
-    optimizer."""
+    updates on a GPU; not for another optimizer, nor without a GPU."""
     import torch
 
     import kbert
     from kbert.backend import keras_internals, torch_step, torch_triton
 
-    started, loaded = [], []
+    started = []
     monkeypatch.setattr(torch_triton, "warm_up", lambda device: started.append(device))
-    monkeypatch.setattr(torch_step, "load_first_kernels", lambda device: loaded.append(device))
     backbone = kbert.BertBackbone(**TINY)
     model = kbert.BertClassifier(backbone, num_classes=2)
     model.compile(learning_rate=1e-3)
@@ -151,41 +146,19 @@ def test_fit_warms_the_kernel_up_only_where_its_step_runs_it(monkeypatch):
     monkeypatch.setattr(torch_step, "warm_up", lambda m: calls.append(m) or warm_up(m))
     model.fit(x, np.array([0, 1, 0, 1]), batch_size=2, verbose=0)
     assert calls == [model]
-    assert started == loaded == [] or torch.cuda.is_available()  # no GPU: nothing started
+    assert started == [] or torch.cuda.is_available()  # no GPU: nothing started
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(keras_internals, "torch_device", lambda: "cuda:0")
     torch_step.warm_up(model)
-    assert started[-1] == loaded[-1] == torch.device("cuda", 0)
+    assert started[-1] == torch.device("cuda", 0)
     count = len(started)
-    model.compile(optimizer=keras.optimizers.SGD(0.01))  # no Triton update
-    torch_step.warm_up(model)
-    assert len(started) == count and len(loaded) == count + 1
-    model.compile(learning_rate=1e-3, jit_compile=True)  # torch.compile's step
-    torch_step.warm_up(model)
-    assert len(started) == count and len(loaded) == count + 1
-    monkeypatch.setattr(keras_internals, "torch_device", lambda: "cpu")
-    model.compile(learning_rate=1e-3)
-    torch_step.warm_up(model)
-    assert len(started) == count and len(loaded) == count + 1
-
-
-def test_first_kernels_load_once_per_device(monkeypatch):
-    """`load_first_kernels` launches its kernels in a thread once per CUDA
-    device and process."""
-    import torch
-
-    from kbert.backend import torch_step
-
-    launched = []
-    monkeypatch.setattr(torch_step, "_LOADED", set())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch, "ones", lambda *a, device, **k: launched.append(device) or 1)
-    monkeypatch.setattr(torch, "prod", lambda x: x)
-    for device in ("cuda:0", "cuda:0", "cuda:1"):
-        thread = torch_step.load_first_kernels(torch.device(device))
-        if thread is not None:
-            thread.join(timeout=10)
-    assert launched == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for kwargs in (
+        {"optimizer": keras.optimizers.SGD(0.01)},  # no Triton update
+        {"learning_rate": 1e-3, "jit_compile": True},  # torch.compile's step
+    ):
+        model.compile(**kwargs)
+        torch_step.warm_up(model)
+        assert len(started) == count
 
 
 @gpu

@@ -409,7 +409,14 @@ class BertTokenizer:
         known = self._unit_pieces
         if len(known) > _CACHE_SIZE:
             known.clear()
-        units = self._units(text)
+        return self._normalize_in_units(text, self._units(text))
+
+    def _normalize_in_units(self, text, units, joined=False):
+        """`text` normalised unit by unit (`units`: None for one per
+        character), with each output character's source span; where that
+        disagrees in length with the whole text's normalisation, again with
+        deleted characters joined to the unit before them (`_units`)."""
+        known = self._unit_pieces
         if units is None:  # one unit per character
             pieces = [
                 piece if (piece := known.get(c)) is not None else self._unit_piece(c) for c in text
@@ -436,6 +443,9 @@ class BertTokenizer:
             whole = self.normalize(text)
             if len(whole) == len(normalized):
                 normalized = whole
+            elif not joined and (coarse := self._units(text, join_deleted=True)) is not None:
+                # characters the cleaning deletes kept apart two that NFC composes
+                return self._normalize_in_units(text, coarse, joined=True)
         return normalized, origin, origin_end
 
     def _unit_piece(self, unit):
@@ -447,13 +457,31 @@ class BertTokenizer:
         self._unit_pieces[unit] = piece
         return piece
 
-    def _units(self, text):
+    def _units(self, text, join_deleted=False):
         """(start, end) of each normalisation unit of `text`; None where each
-        character is one."""
-        if not self._nfc or text.isascii() or unicodedata.is_normalized("NFC", text):
+        character is one. `join_deleted`: a run of characters the cleaning
+        deletes belongs to the unit before it where the character after it
+        may compose with the one before it (the cleaning deletes before NFC
+        composes: a Hangul lead consonant and vowel around a U+200B become
+        one syllable); else it is a unit of its own."""
+        if not self._nfc or text.isascii():
+            return None
+        deleted = set()
+        if join_deleted and (not text.isprintable() or "\ufffd" in text):  # as `normalize`
+            for match in self._patterns.delete.finditer(text):
+                deleted.update(range(match.start(), match.end()))
+        cleaned = "".join(c for i, c in enumerate(text) if i not in deleted)
+        if unicodedata.is_normalized("NFC", cleaned):
             return None
         second = ut.composing_second()
-        cuts = [i for i, c in enumerate(text) if not unicodedata.combining(c) and c not in second]
+        starts = [not unicodedata.combining(c) and c not in second for c in text]
+        cuts, follows = [], True  # whether the text after position i starts a unit
+        for i in range(len(text) - 1, -1, -1):
+            if i not in deleted:
+                follows = starts[i]
+            if follows and (i not in deleted or i == 0 or i - 1 not in deleted):
+                cuts.append(i)
+        cuts.reverse()
         cuts = ([0] if not cuts or cuts[0] else []) + cuts + [len(text)]
         return list(zip(cuts[:-1], cuts[1:]))
 

@@ -297,6 +297,55 @@ def test_offsets_are_the_ids_of_tokenize_and_cover_their_pieces(texts, lowercase
                 assert tokenizer.normalize(text[s:e]).replace(" ", "") == piece
 
 
+# Characters NFC composes (Hangul jamo, letters and combining marks) and
+# characters the cleaning deletes between them (U+200B, U+FFFD, controls,
+# private-use, unassigned), whitespace, a CJK ideograph and Greek sigma.
+COMPOSING = (
+    "\u1100\u1101\u1102\u1161\u1162\u1163\u11a8\u11a9\uac00\ud55c"
+    "\u0301\u0308\u0327aeEo\u03a3\u03c3"
+    "\u200b\u200d\ufffd\x00\x07\ue000\u0378 \t\u4e2d"
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    texts=st.lists(st.text(st.sampled_from(COMPOSING), max_size=12), min_size=1, max_size=4),
+    lowercase=st.booleans(),
+    strip_accents=st.sampled_from([None, False, True]),
+)
+def test_offsets_where_deleted_characters_part_what_nfc_composes(texts, lowercase, strip_accents):
+    """Under transformers' rules the cleaning deletes C* characters before
+    NFC, so a lead consonant and a vowel (or a letter and its accent) apart
+    around a U+200B compose into one character: the offsets' ids are
+    `tokenize`'s and each span normalises to text that holds its piece."""
+    with open(minilm_vocab(), encoding="utf-8") as f:
+        vocabulary = f.read().splitlines()
+    vocabulary += sorted({"\u1100", "##\u1161", "\uac00", "\ud55c", "##\uac00"} - set(vocabulary))
+    tokenizer = BertTokenizer(
+        vocabulary, lowercase=lowercase, strip_accents=strip_accents, rules="transformers"
+    )
+    for text, (ids, starts, ends) in zip(texts, tokenizer.tokenize_with_offsets(texts)):
+        assert ids == tokenizer.tokenize(text), repr(text)
+        for token_id, s, e in zip(ids, starts, ends):
+            piece = tokenizer.id_to_token(token_id).removeprefix("##")
+            if piece != "[UNK]":  # a character NFD splits in two spans both its pieces
+                alone = tokenizer.normalize(text[s:e]).replace(" ", "")
+                # a word-final sigma lowercases to ς in its word, σ alone
+                assert piece.replace("ς", "σ") in alone.replace("ς", "σ"), repr(text)
+
+
+def test_offsets_of_jamo_around_a_deleted_character():
+    tokenizer = BertTokenizer(
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "\u1100", "##\u1161", "\uac00"],
+        lowercase=True,
+        strip_accents=False,
+        rules="transformers",
+    )
+    ids, starts, ends = tokenizer.tokenize_with_offsets("\u1100\u200b\u1161 \u1100\u1161")
+    assert ids == tokenizer.tokenize("\u1100\u200b\u1161 \u1100\u1161") == [7, 7]
+    assert starts.tolist() == [0, 4] and ends.tolist() == [3, 6]
+
+
 def test_detokenize_and_lookup(uncased):
     ids = uncased.tokenize("unaffable tokenization")
     assert uncased.detokenize(ids) == "unaffable tokenization"

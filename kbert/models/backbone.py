@@ -231,11 +231,12 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             isinstance(inputs, dict)
             and checks.is_shapes_only(inputs.get("token_ids"))
             and self.can_loop_layers(inputs)
+            and all(block.built for block in self.transformer_layers)
         ):
             # Keras' symbolic build on torch runs the model on meta tensors,
             # op by op in Python (0.5 s for BERT-base's twelve blocks). The
-            # blocks are alike (`loops_layers`) and each keeps its input's
-            # shape, so the first one's output stands for the last one's.
+            # blocks are built and alike (`loops_layers`), and each keeps its
+            # input's shape, so the first one's output stands for the last one's.
             x = self.get_layer("embeddings")(
                 inputs["token_ids"], inputs["segment_ids"], training=training
             )

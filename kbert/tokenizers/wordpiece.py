@@ -470,7 +470,7 @@ class BertTokenizer:
         if join_deleted and (not text.isprintable() or "\ufffd" in text):  # as `normalize`
             for match in self._patterns.delete.finditer(text):
                 deleted.update(range(match.start(), match.end()))
-        cleaned = "".join(c for i, c in enumerate(text) if i not in deleted)
+        cleaned = "".join(c for i, c in enumerate(text) if i not in deleted) if deleted else text
         if unicodedata.is_normalized("NFC", cleaned):
             return None
         second = ut.composing_second()

@@ -78,16 +78,24 @@ def test_torch_fit_builds_on_shapes_only(backbone, preprocessor, monkeypatch, ta
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's meta device")
-@pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize(
+    "dtype, extra",
+    [
+        ("float32", {}),
+        ("mixed_bfloat16", {}),
+        ("float32", {"adapter_size": 4}),
+        ("mixed_bfloat16", {"embedding_dim": 16}),
+    ],
+)
 @pytest.mark.parametrize("task", ["classifier", "tagger", "qa"])
-def test_torch_symbolic_build_runs_one_block(preprocessor, monkeypatch, dtype, task):
+def test_torch_symbolic_build_runs_one_block(preprocessor, monkeypatch, dtype, extra, task):
     """Keras' symbolic build runs the model on meta tensors op by op in
     Python (0.5 s for BERT-base). The blocks are alike and keep their
     input's shape, so the backbone runs the first only: the outputs'
     shapes and dtypes are those of a real call."""
     from keras.src.backend import compute_output_spec
 
-    config = {**TINY, "vocabulary_size": len(VOCAB), "num_layers": 3}
+    config = {**TINY, "vocabulary_size": len(VOCAB), "num_layers": 3, **extra}
     backbone = kbert.BertBackbone(**config, dtype=dtype)
     model = {
         "classifier": lambda: kbert.BertClassifier(backbone, num_classes=3, preprocessor=None),

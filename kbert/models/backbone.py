@@ -218,15 +218,28 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.share_layers = share_layers
 
     def call(self, inputs, training=None, mask=None, **kwargs):
+        blocks = self._blocks_shortcut(inputs)
+        if blocks is None:
+            return super().call(inputs, training=training, mask=mask, **kwargs)
+        x = self.get_layer("embeddings")(
+            inputs["token_ids"], inputs["segment_ids"], training=training
+        )
+        x = blocks(x, inputs["padding_mask"], training)
+        return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
+
+    def _blocks_shortcut(self, inputs):
+        """Where `call` runs embeddings, blocks and pooler without the
+        functional graph, the blocks as one function (x, padding_mask,
+        training) -> x; else None."""
         if jax_compile.layers_in_loop() and self.can_loop_layers(inputs):
             # a step traced for its first, fast-compiling program
             # (kbert.backend.jax_compile): the blocks as one loop
-            x = self.get_layer("embeddings")(
-                inputs["token_ids"], inputs["segment_ids"], training=training
-            )
-            x = blocks_in_loop(self.transformer_layers, x, inputs["padding_mask"], training)
-            jax_compile.note_looped()
-            return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
+            def looped(x, padding_mask, training):
+                x = blocks_in_loop(self.transformer_layers, x, padding_mask, training)
+                jax_compile.note_looped()
+                return x
+
+            return looped
         if (
             isinstance(inputs, dict)
             and checks.is_shapes_only(inputs.get("token_ids"))
@@ -237,12 +250,9 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             # op by op in Python (0.5 s for BERT-base's twelve blocks). The
             # blocks are built and alike (`loops_layers`), and each keeps its
             # input's shape, so the first one's output stands for the last one's.
-            x = self.get_layer("embeddings")(
-                inputs["token_ids"], inputs["segment_ids"], training=training
-            )
-            x = self.transformer_layers[0](x, inputs["padding_mask"], training=training)
-            return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
-        return super().call(inputs, training=training, mask=mask, **kwargs)
+            first = self.transformer_layers[0]
+            return lambda x, padding_mask, training: first(x, padding_mask, training=training)
+        return None
 
     def can_loop_layers(self, inputs):
         """Whether `call` can run the blocks on `inputs` as one loop over

@@ -51,6 +51,13 @@ MAX_CHARS_PER_WORD = {"original": 200, "transformers": 100}
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def _may_delete(text):
+    """Whether the cleaning may delete or respace characters of `text`: only
+    non-printable text holds C*/Z* characters; U+FFFD is printable but
+    deleted by the references too."""
+    return not text.isprintable() or "\ufffd" in text
+
+
 class _Patterns:
     """Compiled Python regexes of the reference character classes (built once per rules)."""
 
@@ -239,9 +246,7 @@ class BertTokenizer:
             if not text.isprintable():
                 text = p.ascii_whitespace.sub(" ", p.ascii_controls.sub("", text))
             return text.lower() if self.lowercase else text
-        # Only non-printable text can hold C*/Z* characters; U+FFFD is printable
-        # but deleted by the references too.
-        if not text.isprintable() or "\ufffd" in text:
+        if _may_delete(text):
             text = p.whitespace.sub(" ", p.delete.sub("", text))
         if self.tokenize_chinese_chars:
             text = p.cjk.sub(r" \g<0> ", text)
@@ -467,7 +472,7 @@ class BertTokenizer:
         if not self._nfc or text.isascii():
             return None
         deleted = set()
-        if join_deleted and (not text.isprintable() or "\ufffd" in text):  # as `normalize`
+        if join_deleted and _may_delete(text):
             for match in self._patterns.delete.finditer(text):
                 deleted.update(range(match.start(), match.end()))
         cleaned = "".join(c for i, c in enumerate(text) if i not in deleted) if deleted else text

@@ -199,7 +199,8 @@ def fused_attention(query, key, value, padding_mask, scale, dropout=0.0):
         return jax_ops.cudnn_attention(query, key, value, ops.cast(padding_mask, "bool"), scale)
     keep = attention_keep(padding_mask)
     if backend.is_torch():
-        return torch_ops.sdpa(query, key, value, keep, scale, dropout)
+        mask = padding_mask if len(padding_mask.shape) == 2 else None
+        return torch_ops.sdpa(query, key, value, keep, scale, dropout, padding_mask=mask)
     return ops.dot_product_attention(query, key, value, mask=keep, scale=scale)
 
 

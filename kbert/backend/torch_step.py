@@ -116,11 +116,36 @@ def constants_on_device():
         yield
 
 
-def train_step(model, data):
+def train_step(model, data, segments=None):
     """Keras' torch `train_step` (same order, same losses and metrics),
-    with no host-device synchronisation of its own."""
-    with constants_on_device():
+    with no host-device synchronisation of its own. `segments`: run
+    attention over segments (`torch_ops.segment_attention`); None: where
+    the batch's padding trails its real tokens (`trailing_padding`)."""
+    if segments is None:
+        segments = trailing_padding(data)
+    with constants_on_device(), torch_ops.segment_attention(segments):
         return _train_step(model, data)
+
+
+def trailing_padding(data):
+    """Whether the batch's padding mask, (..., T) on the host with T of at
+    least `torch_ops.SEGMENT_MIN_LENGTH`, has in every row its real tokens
+    first and its padding after them (as kbert's preprocessors and
+    transformers' tokenizers make them): the training step may then run
+    attention over segments. A check on the host, before the batch is
+    copied: on the device it would synchronise the step. False for a mask
+    already on a device, or without one."""
+    x = data[0] if isinstance(data, tuple) else data
+    if not isinstance(x, dict):
+        return False
+    mask = _host_tensor(x.get("padding_mask"))
+    if mask is None or mask.ndim < 2 or mask.shape[-1] < torch_ops.SEGMENT_MIN_LENGTH:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    mask = mask.numpy().reshape(-1, mask.shape[-1]) != 0
+    # real tokens first: no row turns from padding back to a real token
+    return not bool((mask[:, 1:] & ~mask[:, :-1]).any())
 
 
 def _train_step(model, data):
@@ -498,19 +523,22 @@ class GraphedTrainStep:
         self.replays = 0
         self.failed = None  # why capture failed, if it did
 
-    def _eager_on_capture_stream(self, data):
+    def _eager_on_capture_stream(self, data, segments):
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            logs = train_step(self.model, data)
+            logs = train_step(self.model, data, segments)
         torch.cuda.current_stream().wait_stream(self.stream)
         return logs
 
     def _capture(self, data, signature):
+        segments = signature[-1]
         static_inputs = to_device(data)
         leaves = [v for v in keras.tree.flatten(static_inputs) if v is not None]
         if not all(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves):
             # e.g. float64 arrays, which Keras converts inside the step
-            return self._give_up("a batch holds arrays that are not integer or float32", data)
+            return self._give_up(
+                "a batch holds arrays that are not integer or float32", data, segments
+            )
         # Grads made inside the capture live in the graphs' memory pool.
         self.model.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
@@ -523,7 +551,7 @@ class GraphedTrainStep:
                     graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
                 ),
             ):
-                static_logs = train_step(self.model, static_inputs)
+                static_logs = train_step(self.model, static_inputs, segments)
         except Exception as error:  # a step that cannot be captured trains eagerly
             torch.cuda.set_stream(previous)  # a failed capture_end skips the stream's restore
             failed = f"{type(error).__name__}: {str(error)[:300]}"
@@ -540,7 +568,7 @@ class GraphedTrainStep:
             # graphs captured before draw dropout masks from the generator
             # state replaced above: the rest of the fit runs eagerly
             self.graphs.clear()
-            return self._give_up(failed, data)
+            return self._give_up(failed, data, segments)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[signature] = (graph, static_inputs, static_logs)
@@ -548,17 +576,19 @@ class GraphedTrainStep:
         self.replays += 1
         return static_logs
 
-    def _give_up(self, why, data):
+    def _give_up(self, why, data, segments):
         self.failed = why
         self.eager_steps += 1
         warnings.warn(
             f"kbert: the training step could not be captured as a CUDA graph ({why}); "
             "this fit goes on eagerly. compile(cuda_graph=False) skips the attempt."
         )
-        return train_step(self.model, data)
+        return train_step(self.model, data, segments)
 
     def __call__(self, data):
-        signature = _signature(data)
+        # a batch whose padding trails and one whose does not are two graphs
+        segments = trailing_padding(data)
+        signature = (*_signature(data), segments)
         captured = self.graphs.get(signature)
         if captured is not None:
             graph, static_inputs, static_logs = captured
@@ -572,8 +602,8 @@ class GraphedTrainStep:
         self.seen.add(signature)
         self.eager_steps += 1
         if capturing:
-            return self._eager_on_capture_stream(data)
-        return train_step(self.model, data)
+            return self._eager_on_capture_stream(data, segments)
+        return train_step(self.model, data, segments)
 
     def stats(self):
         """Replayed and eager steps of this fit, graphs captured, and why

@@ -1,0 +1,193 @@
+"""torch: a training step's attention over variable-length segments
+(`torch_ops.segment_attention`), used where the batch's padding trails its
+real tokens (`torch_step.trailing_padding`, checked on the host)."""
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from tests.harness import TINY
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch step")
+
+
+def _cuda():
+    import torch
+
+    return keras.backend.backend() == "torch" and torch.cuda.is_available()
+
+
+def _mask(lengths, length, left=False):
+    mask = (np.arange(length)[None] < np.asarray(lengths)[:, None]).astype("int32")
+    return mask[:, ::-1].copy() if left else mask
+
+
+def test_trailing_padding_is_checked_on_the_host(monkeypatch):
+    import torch
+
+    from kbert.backend import torch_ops, torch_step
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    length = torch_ops.SEGMENT_MIN_LENGTH
+
+    def batch(mask):
+        return {"token_ids": np.ones_like(mask), "padding_mask": mask}, np.zeros(len(mask)), None
+
+    right = _mask([length, 5, 0], length)
+    assert torch_step.trailing_padding(batch(right))
+    assert torch_step.trailing_padding(batch(right.astype(bool)))
+    assert torch_step.trailing_padding(batch(torch.from_numpy(right)))
+    assert torch_step.trailing_padding(batch(np.stack([right, right])))  # multiple choice (B, C, T)
+    assert torch_step.trailing_padding(batch(right)[0])  # x alone
+
+    assert not torch_step.trailing_padding(batch(_mask([length, 5, 3], length, left=True)))
+    holed = right.copy()
+    holed[1, 2] = 0
+    assert not torch_step.trailing_padding(batch(holed))
+    short = _mask([3, 2], length - 16)
+    assert not torch_step.trailing_padding(batch(short))  # below SEGMENT_MIN_LENGTH
+    assert not torch_step.trailing_padding(({"token_ids": right}, None, None))
+    assert not torch_step.trailing_padding(right)  # no dict, no mask
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not torch_step.trailing_padding(batch(right))
+
+
+def test_segment_bounds_cover_each_rows_real_tokens_then_its_padding():
+    import torch
+
+    from kbert.backend import torch_ops
+
+    length, chunk = 300, torch_ops.SEGMENT_CHUNK
+    lengths = [300, 10, 0, 129]
+    bounds = torch_ops._segment_bounds(torch.from_numpy(_mask(lengths, length)), length).tolist()
+    per_row = 1 + -(-length // chunk)
+    assert len(bounds) == len(lengths) * per_row + 1
+    assert bounds[0] == 0 and bounds[-1] == len(lengths) * length
+    for row, real in enumerate(lengths):
+        edges = bounds[row * per_row : (row + 1) * per_row + 1]
+        assert edges[0] == row * length and edges[-1] == (row + 1) * length
+        assert edges[1] - edges[0] == real  # the real tokens, one segment
+        sizes = np.diff(edges[1:])
+        assert (sizes >= 0).all() and (sizes <= chunk).all()
+
+
+@pytest.mark.skipif(_cuda(), reason="Keras puts the tensors on the GPU")
+def test_segment_attention_is_not_used_off_a_gpu():
+    import torch
+
+    from kbert.backend import torch_ops
+
+    q, k, v = (torch.randn(2, 160, 2, 8) for _ in range(3))
+    mask = torch.from_numpy(_mask([160, 40], 160))
+    keep = mask.bool()[:, None, None, :]
+    reference = torch_ops.sdpa(q, k, v, keep, 0.35)
+    with torch_ops.segment_attention():
+        out = torch_ops.sdpa(q, k, v, keep, 0.35, padding_mask=mask)
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+
+
+def _count_segment_calls(monkeypatch):
+    from kbert.backend import torch_ops
+
+    calls = []
+    original = torch_ops._segment_sdpa
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch_ops, "_segment_sdpa", counted)
+    return calls
+
+
+@pytest.mark.skipif(not _cuda(), reason="FlashAttention: torch on a GPU")
+def test_segment_attention_equals_masked_attention_at_real_tokens(monkeypatch):
+    """The layer's output at real tokens and every gradient (the upstream
+    gradient zero at padding, as every task's loss makes it) equal the
+    masked attention's, to bfloat16 rounding."""
+    import torch
+
+    from kbert.backend import torch_ops
+    from kbert.layers.attention import MultiHeadSelfAttention
+
+    calls = _count_segment_calls(monkeypatch)
+    length = 160
+    layer = MultiHeadSelfAttention(
+        num_heads=4, hidden_dim=64, attention_dropout=0.0, dtype="mixed_bfloat16"
+    )
+    layer.build((None, length, 64))
+    rng = np.random.default_rng(0)
+    mask = torch.from_numpy(_mask([160, 90, 1, 0], length)).cuda()
+    real = mask[:, :, None].float()
+    x0 = torch.from_numpy(rng.standard_normal((4, length, 64)).astype("float32")).cuda()
+    upstream = torch.from_numpy(rng.standard_normal((4, length, 64)).astype("float32")).cuda()
+
+    def run(segments):
+        x = x0.clone().requires_grad_()
+        weights = [v.value for v in layer.trainable_variables]
+        for w in weights:
+            w.grad = None
+        with torch_ops.segment_attention(segments):
+            y = layer(x, mask, training=True)
+        (y.float() * upstream * real).sum().backward()
+        return y.float() * real, [x.grad] + [w.grad.clone() for w in weights]
+
+    out, grads = run(True)
+    assert len(calls) == 1
+    ref, ref_grads = run(False)
+    assert len(calls) == 1
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads, ref_grads):
+        scale = float(b.abs().max())
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=3e-2 * scale)
+
+
+@pytest.mark.skipif(not _cuda(), reason="FlashAttention: torch on a GPU")
+def test_graphed_fit_runs_segment_attention_only_where_padding_trails(monkeypatch):
+    """fit with rows of 160 tokens: the replayed step trains as the masked
+    one (dropout 0, bfloat16), with segments; a batch padded on the left
+    gets its own graph and the masked attention."""
+    from kbert.backend import torch_ops
+
+    calls = _count_segment_calls(monkeypatch)
+    length, rows = 160, 8
+    lengths = np.random.default_rng(1).integers(1, length + 1, rows)
+    lengths[0] = length
+    config = {**TINY, "max_sequence_length": length, "dropout": 0.0, "attention_dropout": 0.0}
+
+    def fit(mask, min_length):
+        monkeypatch.setattr(torch_ops, "SEGMENT_MIN_LENGTH", min_length)
+        keras.utils.set_random_seed(5)
+        backbone = kbert.BertBackbone(**config, dtype="mixed_bfloat16")
+        model = kbert.BertClassifier(backbone, num_classes=2)
+        model.compile(learning_rate=1e-3)
+        ids = np.random.default_rng(2).integers(1, 97, mask.shape)
+        x = {
+            "token_ids": (ids * mask).astype("int32"),
+            "segment_ids": np.zeros_like(mask),
+            "padding_mask": mask,
+        }
+        y = np.arange(rows) % 2
+        history = model.fit(
+            x, y, batch_size=2, epochs=2, shuffle=False, verbose=0, bucket_lengths=False
+        )
+        return model, history.history["loss"]
+
+    right = _mask(lengths, length)
+    segmented, loss = fit(right, length)
+    # 2 epochs of 4 batches: 1 eager warm-up step, the captured one, 6 replays
+    assert segmented.cuda_graph_stats["replays"] == 7
+    assert calls and all(shape[1] == length for shape in calls)
+    del calls[:]
+    masked, reference = fit(right, length + 1)
+    assert not calls
+    np.testing.assert_allclose(loss, reference, rtol=2e-2)
+    for a, b in zip(segmented.get_weights(), masked.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-2 * max(1.0, float(np.abs(b).max())))
+
+    left, _ = fit(_mask(lengths, length, left=True), length)
+    assert not calls
+    assert left.cuda_graph_stats["replays"] == 7

@@ -135,7 +135,7 @@ def trailing_padding(data):
     attention over segments. A check on the host, before the batch is
     copied: on the device it would synchronise the step. False for a mask
     already on a device, or without one."""
-    x = data[0] if isinstance(data, tuple) else data
+    x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, (tuple, list)) else data
     if not isinstance(x, dict):
         return False
     mask = _host_tensor(x.get("padding_mask"))

@@ -40,6 +40,7 @@ def test_trailing_padding_is_checked_on_the_host(monkeypatch):
     assert torch_step.trailing_padding(batch(torch.from_numpy(right)))
     assert torch_step.trailing_padding(batch(np.stack([right, right])))  # multiple choice (B, C, T)
     assert torch_step.trailing_padding(batch(right)[0])  # x alone
+    assert torch_step.trailing_padding(list(batch(right)[:2]))  # as Keras' torch loop gives it
 
     assert not torch_step.trailing_padding(batch(_mask([length, 5, 3], length, left=True)))
     holed = right.copy()
@@ -147,15 +148,15 @@ def test_segment_attention_equals_masked_attention_at_real_tokens(monkeypatch):
 
 @pytest.mark.skipif(not _cuda(), reason="FlashAttention: torch on a GPU")
 def test_graphed_fit_runs_segment_attention_only_where_padding_trails(monkeypatch):
-    """fit with rows of 160 tokens: the replayed step trains as the masked
-    one (dropout 0, bfloat16), with segments; a batch padded on the left
-    gets its own graph and the masked attention."""
+    """fit (length buckets, as by default) with rows of 160 tokens: the
+    replayed step trains as the masked one (dropout 0, bfloat16), with
+    segments; batches padded on the left train with the masked attention."""
     from kbert.backend import torch_ops
 
     calls = _count_segment_calls(monkeypatch)
     length, rows = 160, 8
     lengths = np.random.default_rng(1).integers(1, length + 1, rows)
-    lengths[0] = length
+    lengths[::2] = length  # each batch of 2 as long as the rows: one length bucket
     config = {**TINY, "max_sequence_length": length, "dropout": 0.0, "attention_dropout": 0.0}
 
     def fit(mask, min_length):
@@ -171,9 +172,7 @@ def test_graphed_fit_runs_segment_attention_only_where_padding_trails(monkeypatc
             "padding_mask": mask,
         }
         y = np.arange(rows) % 2
-        history = model.fit(
-            x, y, batch_size=2, epochs=2, shuffle=False, verbose=0, bucket_lengths=False
-        )
+        history = model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
         return model, history.history["loss"]
 
     right = _mask(lengths, length)

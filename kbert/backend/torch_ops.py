@@ -85,9 +85,9 @@ def _gpu_attention_kernels():
 # (below it the memory-efficient kernel with a mask was as fast or faster),
 # padding split into segments of at most `SEGMENT_CHUNK` tokens. Forward and
 # backward of one layer at 32 x 12 heads x 64, bf16, dropout 0.1, GPU time
-# on an H200: 128 tokens 0.144 ms against 0.128, 144 tokens 0.178 against
-# 0.252, 384 tokens (XQuAD windows, 183 real tokens on average) 0.354
-# against 0.907 (benchmarks/RESULTS.md).
+# on an H200: 128 tokens 0.146 ms against 0.132, 144 tokens 0.178 against
+# 0.255, 384 tokens (XQuAD windows) 0.357 against 0.916
+# (benchmarks/attention_kernels.py, benchmarks/RESULTS.md).
 SEGMENT_MIN_LENGTH = 144
 SEGMENT_CHUNK = 128
 

@@ -203,13 +203,43 @@ def embedding_sum(tokens, positions, segments, segment_ids):
     return tokens + embed(positions, segments)
 
 
-def gelu(x, approximate=False):
-    """GELU in the erf form (or the tanh approximation), computed in float32."""
-    x32 = x.astype(jnp.float32)
+def _gelu32(x32, approximate):
     if approximate:  # x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2
         inner = np.float32(np.sqrt(2.0 / np.pi)) * (x32 + 0.044715 * x32 * x32 * x32)
-        return (0.5 * x32 * (1.0 + jnp.tanh(inner))).astype(x.dtype)
-    return (0.5 * x32 * (1.0 + jax.lax.erf(x32 * np.float32(1 / np.sqrt(2.0))))).astype(x.dtype)
+        return 0.5 * x32 * (1.0 + jnp.tanh(inner))
+    return 0.5 * x32 * (1.0 + jax.lax.erf(x32 * np.float32(1 / np.sqrt(2.0))))
+
+
+def _gelu32_derivative(x32, approximate):
+    if approximate:
+        c = np.float32(np.sqrt(2.0 / np.pi))
+        t = jnp.tanh(c * (x32 + 0.044715 * x32 * x32 * x32))
+        return 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x32 * x32)
+    density = jnp.exp(-0.5 * x32 * x32) * np.float32(1 / np.sqrt(2.0 * np.pi))
+    return 0.5 * (1.0 + jax.lax.erf(x32 * np.float32(1 / np.sqrt(2.0)))) + x32 * density
+
+
+def gelu(x, approximate=False):
+    """GELU in the erf form (or the tanh approximation), computed in float32.
+
+    Its gradient is recomputed from x: autodiff of the float32 expression
+    kept three float32 copies of the (B, T, 4H) activation per block for
+    the backward pass (x, 1 + erf and the exponential), which a training
+    step wrote and read back; now it keeps x, in its own dtype."""
+
+    @jax.custom_vjp
+    def apply(x):
+        return _gelu32(x.astype(jnp.float32), approximate).astype(x.dtype)
+
+    def forward(x):
+        return apply(x), x
+
+    def backward(x, grad):
+        derivative = _gelu32_derivative(x.astype(jnp.float32), approximate)
+        return ((grad.astype(jnp.float32) * derivative).astype(x.dtype),)
+
+    apply.defvjp(forward, backward)
+    return apply(x)
 
 
 def layer_norm(x, gamma, beta, epsilon):

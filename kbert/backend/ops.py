@@ -44,7 +44,13 @@ computes what the generic path computes (tests compare them); each
 
 `fused_gelu(x, approximate)`: on JAX x (1 + erf(x / sqrt 2)) / 2 in float32,
 as torch computes it (`jax.nn.gelu`'s erfc form expands to two rational
-approximations per element); elsewhere `keras.activations.gelu`.
+approximations per element), with a custom gradient recomputed from x:
+autodiff kept three float32 copies of each block's (B, T, 4H) activation
+for the backward pass, which the JAX loop programs (blocks in a
+`lax.scan`) carry through stacked buffers (BERT-base, batch 32, H200: a
+loop step 9.8 against 10.6 ms at 80 tokens, 36.9 against 40.6 ms at 384;
+the step's own program unchanged, 8.1 to 8.5 ms against 7.8 to 8.5 ms);
+elsewhere `keras.activations.gelu`.
 
 `fused_layer_norm(x, gamma, beta, epsilon)` normalises the last axis in
 float32 and returns x's dtype. On JAX with a GPU or TPU a custom gradient: the forward pass

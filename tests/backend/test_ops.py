@@ -289,6 +289,21 @@ def test_gelu_gradient_is_autodiff_of_gelu(approximate):
     )
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the custom gradient is JAX's")
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_keeps_only_its_input_for_the_backward_pass(approximate, capsys):
+    """Autodiff of the float32 expression kept three float32 copies of the
+    activation; the custom gradient keeps x, in its own dtype."""
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import print_saved_residuals
+
+    x = jnp.ones((2, 3, 8), jnp.bfloat16)
+    capsys.readouterr()
+    print_saved_residuals(lambda v: fused.fused_gelu(v, approximate), x)
+    saved = [line for line in capsys.readouterr().out.splitlines() if "[" in line]
+    assert saved == ["bf16[2,3,8] from the argument v"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_norm_equals_keras_layer_normalization(dtype):
     rng = np.random.default_rng(5)

@@ -4,6 +4,8 @@ Why each exists (the generic form and what it cost) is documented in
 `kbert.backend.ops`; the measurements are in `benchmarks/RESULTS.md`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -225,21 +227,26 @@ def gelu(x, approximate=False):
     Its gradient is recomputed from x: autodiff of the float32 expression
     kept three float32 copies of the (B, T, 4H) activation per block for
     the backward pass (x, 1 + erf and the exponential), which a training
-    step wrote and read back; now it keeps x, in its own dtype."""
+    step wrote and read back; now it keeps x, in its own dtype. (Reverse
+    mode only, as every custom gradient here.)"""
+    return _gelu(x, bool(approximate))
 
-    @jax.custom_vjp
-    def apply(x):
-        return _gelu32(x.astype(jnp.float32), approximate).astype(x.dtype)
 
-    def forward(x):
-        return apply(x), x
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gelu(x, approximate):
+    return _gelu32(x.astype(jnp.float32), approximate).astype(x.dtype)
 
-    def backward(x, grad):
-        derivative = _gelu32_derivative(x.astype(jnp.float32), approximate)
-        return ((grad.astype(jnp.float32) * derivative).astype(x.dtype),)
 
-    apply.defvjp(forward, backward)
-    return apply(x)
+def _gelu_forward(x, approximate):
+    return _gelu(x, approximate), x
+
+
+def _gelu_backward(approximate, x, grad):
+    derivative = _gelu32_derivative(x.astype(jnp.float32), approximate)
+    return ((grad.astype(jnp.float32) * derivative).astype(x.dtype),)
+
+
+_gelu.defvjp(_gelu_forward, _gelu_backward)
 
 
 def layer_norm(x, gamma, beta, epsilon):

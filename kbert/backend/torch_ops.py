@@ -97,15 +97,17 @@ _SEGMENTS = threading.local()
 @contextlib.contextmanager
 def segment_attention(on=True):
     """Within the block (a training step whose padding trails each row's
-    real tokens: `torch_step.trailing_padding`), self-attention over a
+    real tokens and whose losses read no padding output:
+    `torch_step.segments_apply`), self-attention over a
     (B, T) padding mask on a GPU runs as FlashAttention over variable-length
     segments: each row's real tokens attend to each other, exactly as with
     the mask, and its padding tokens to each other, in segments of at most
     `SEGMENT_CHUNK` tokens, instead of to the row's real tokens. Padding
-    outputs reach no loss (every task's loss reads real positions only), so
-    the step's losses and gradients are those of the masked attention; the
-    kernel skips the products of real tokens with padding. Only where the
-    mask has each row's real tokens first: the caller checks that."""
+    outputs reach no loss (the caller checks that targets given per token
+    are weighted 0 at padding), so the step's losses and gradients are
+    those of the masked attention; the kernel skips the products of real
+    tokens with padding. Only where the mask has each row's real tokens
+    first: the caller checks that too."""
     previous = getattr(_SEGMENTS, "on", False)
     _SEGMENTS.on = bool(on)
     try:
@@ -117,8 +119,11 @@ def segment_attention(on=True):
 def _segment_bounds(padding_mask, length):
     """(B, T) padding mask with its real tokens first -> cumulative segment
     bounds (B * (1 + ceil(T / SEGMENT_CHUNK)) + 1,) int32: each row's real
-    tokens, then its padding in chunks (empty segments where there is less)."""
+    tokens, then its padding in chunks (empty segments where there is less).
+    A row without real tokens is one segment, as the masked attention lets
+    it attend to every key (`ops.attention_keep`)."""
     real = (padding_mask != 0).sum(1, dtype=torch.int32)
+    real = torch.where(real == 0, length, real)
     chunks = torch.arange(
         -(-length // SEGMENT_CHUNK), device=padding_mask.device, dtype=torch.int32
     )
@@ -139,7 +144,7 @@ def _segments_apply(q, k, padding_mask):
         and tuple(padding_mask.shape) == (batch, length)
         and q.dtype in (torch.bfloat16, torch.float16)
         and depth % 8 == 0
-        and depth <= 256
+        and depth <= 128  # larger heads' backward needs an sm80/sm90 GPU
         and torch.backends.cuda.flash_sdp_enabled()
         and torch.cuda.get_device_capability(q.device) >= (8, 0)
         and hasattr(torch.ops.aten, "_flash_attention_forward")

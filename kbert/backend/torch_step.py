@@ -120,32 +120,55 @@ def train_step(model, data, segments=None):
     """Keras' torch `train_step` (same order, same losses and metrics),
     with no host-device synchronisation of its own. `segments`: run
     attention over segments (`torch_ops.segment_attention`); None: where
-    the batch's padding trails its real tokens (`trailing_padding`)."""
+    the batch allows it (`segments_apply`)."""
     if segments is None:
-        segments = trailing_padding(data)
+        segments = segments_apply(data)
     with constants_on_device(), torch_ops.segment_attention(segments):
         return _train_step(model, data)
 
 
-def trailing_padding(data):
-    """Whether the batch's padding mask, (..., T) on the host with T of at
-    least `torch_ops.SEGMENT_MIN_LENGTH`, has in every row its real tokens
-    first and its padding after them (as kbert's preprocessors and
-    transformers' tokenizers make them): the training step may then run
-    attention over segments. A check on the host, before the batch is
-    copied: on the device it would synchronise the step. False for a mask
-    already on a device, or without one."""
-    x = keras.utils.unpack_x_y_sample_weight(data)[0] if isinstance(data, (tuple, list)) else data
-    if not isinstance(x, dict):
+def segments_apply(data):
+    """Whether the training step on this batch may run attention over
+    segments (`torch_ops.segment_attention`): its padding mask, (..., T) on
+    the host with T of at least `torch_ops.SEGMENT_MIN_LENGTH`, has in every
+    row its real tokens first and its padding after them (as kbert's
+    preprocessors and transformers' tokenizers make them), and no loss can
+    read a padding position's output: targets with a value per token are
+    weighted 0 at padding. Checked on the host, before the batch is copied
+    (on the device it would synchronise the step). False for a mask or
+    targets already on a device, without a mask, and under torch-ddp (each
+    process would decide for its own rows, and their graphs must agree)."""
+    if isinstance(data, (tuple, list)):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    else:
+        x, y, sample_weight = data, None, None
+    if not isinstance(x, dict) or torch_ddp.active():
         return False
     mask = _host_tensor(x.get("padding_mask"))
     if mask is None or mask.ndim < 2 or mask.shape[-1] < torch_ops.SEGMENT_MIN_LENGTH:
         return False
     if not torch.cuda.is_available():
         return False
-    mask = mask.numpy().reshape(-1, mask.shape[-1]) != 0
+    mask = mask.numpy() != 0
+    rows = mask.reshape(-1, mask.shape[-1])
     # real tokens first: no row turns from padding back to a real token
-    return not bool((mask[:, 1:] & ~mask[:, :-1]).any())
+    if (rows[:, 1:] & ~rows[:, :-1]).any():
+        return False
+    targets = keras.tree.flatten(y)
+    per_token = [v for v in targets if tuple(getattr(v, "shape", ())[: mask.ndim]) == mask.shape]
+    if not per_token:
+        return True
+    weights = [v for v in keras.tree.flatten(sample_weight) if v is not None]
+    if not weights:
+        return False
+    for weight in weights:
+        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
+            weight = weight.numpy()
+        if not isinstance(weight, np.ndarray) or weight.shape[: mask.ndim] != mask.shape:
+            return False
+        if (weight.reshape(mask.shape + (-1,))[~mask] != 0).any():
+            return False
+    return True
 
 
 def _train_step(model, data):
@@ -586,8 +609,8 @@ class GraphedTrainStep:
         return train_step(self.model, data, segments)
 
     def __call__(self, data):
-        # a batch whose padding trails and one whose does not are two graphs
-        segments = trailing_padding(data)
+        # a batch with segments and one without are two graphs
+        segments = segments_apply(data)
         signature = (*_signature(data), segments)
         captured = self.graphs.get(signature)
         if captured is not None:

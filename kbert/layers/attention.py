@@ -110,7 +110,10 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         """(B, T, 3H) projections -> (B, T, H) attention context."""
         batch, length = ops.shape(qkv)[0], ops.shape(qkv)[1]
         qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
-        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, T, N, D)
+        # unstack, not three slices: on torch each slice's gradient is a zero
+        # (B, T, 3, N, D) tensor with its part copied in, and the three are
+        # summed; unbind's gradient is one stack.
+        query, key, value = ops.unstack(qkv, num=3, axis=2)  # (B, T, N, D) each
 
         scale = 1.0 / math.sqrt(self.head_dim)
         if self.attention_path(training) == "fused":

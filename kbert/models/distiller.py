@@ -89,7 +89,7 @@ def _attention_scores(block, hidden, training):
     batch, length = ops.shape(hidden)[0], ops.shape(hidden)[1]
     qkv = attention.qkv(hidden, **training)
     qkv = ops.reshape(qkv, (batch, length, 3, attention.num_heads, attention.head_dim))
-    query, key = qkv[:, :, 0], qkv[:, :, 1]  # (B, T, N, D)
+    query, key, _ = ops.unstack(qkv, num=3, axis=2)  # (B, T, N, D); see MultiHeadSelfAttention
     scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
     return ops.cast(scores, "float32") * (1.0 / math.sqrt(attention.head_dim))
 

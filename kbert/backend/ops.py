@@ -35,9 +35,10 @@ computes what the generic path computes (tests compare them); each
   distributions the XLA path is used.
 - torch: `scaled_dot_product_attention` on (B, N, T, D) views with a boolean
   mask, and attention dropout applied by SDPA in training. In a training
-  step whose padding trails each row's real tokens, on a GPU, from
-  `torch_ops.SEGMENT_MIN_LENGTH` tokens: FlashAttention over
-  variable-length segments (`torch_ops.segment_attention`).
+  step whose padding trails each row's real tokens and whose losses read
+  no padding output, on a GPU, from `torch_ops.SEGMENT_MIN_LENGTH` tokens:
+  FlashAttention over variable-length segments
+  (`torch_ops.segment_attention`, `torch_step.segments_apply`).
   `keras.ops.dot_product_attention` reaches the same kernel but first copies
   Q, K and V and turns the mask into a float bias.
 - everything else: `keras.ops.dot_product_attention` with a boolean mask.

@@ -205,20 +205,27 @@ def embedding_sum(tokens, positions, segments, segment_ids):
     return tokens + embed(positions, segments)
 
 
+def _tanh_inner(x32):  # GELU's tanh form: sqrt(2/pi) (x + 0.044715 x^3)
+    return np.float32(np.sqrt(2.0 / np.pi)) * (x32 + 0.044715 * x32 * x32 * x32)
+
+
+def _erf_term(x32):  # GELU's erf form: 1 + erf(x / sqrt 2)
+    return 1.0 + jax.lax.erf(x32 * np.float32(1 / np.sqrt(2.0)))
+
+
 def _gelu32(x32, approximate):
     if approximate:  # x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2
-        inner = np.float32(np.sqrt(2.0 / np.pi)) * (x32 + 0.044715 * x32 * x32 * x32)
-        return 0.5 * x32 * (1.0 + jnp.tanh(inner))
-    return 0.5 * x32 * (1.0 + jax.lax.erf(x32 * np.float32(1 / np.sqrt(2.0))))
+        return 0.5 * x32 * (1.0 + jnp.tanh(_tanh_inner(x32)))
+    return 0.5 * x32 * _erf_term(x32)
 
 
 def _gelu32_derivative(x32, approximate):
     if approximate:
+        t = jnp.tanh(_tanh_inner(x32))
         c = np.float32(np.sqrt(2.0 / np.pi))
-        t = jnp.tanh(c * (x32 + 0.044715 * x32 * x32 * x32))
         return 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x32 * x32)
     density = jnp.exp(-0.5 * x32 * x32) * np.float32(1 / np.sqrt(2.0 * np.pi))
-    return 0.5 * (1.0 + jax.lax.erf(x32 * np.float32(1 / np.sqrt(2.0)))) + x32 * density
+    return 0.5 * _erf_term(x32) + x32 * density
 
 
 def gelu(x, approximate=False):

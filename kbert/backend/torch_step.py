@@ -50,6 +50,13 @@ def _host_tensor(value):
     return None
 
 
+def _host_array(value):
+    """A host array or CPU tensor as a NumPy array (any dtype), or None."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        return value.numpy()
+    return value if isinstance(value, np.ndarray) else None
+
+
 def _device_copy(value, device):
     """A CPU tensor onto `device` from pinned memory, without blocking the
     host (torch's caching host allocator keeps the pinned buffer alive until
@@ -144,12 +151,12 @@ def segments_apply(data):
         x, y, sample_weight = data, None, None
     if not isinstance(x, dict) or torch_ddp.active():
         return False
-    mask = _host_tensor(x.get("padding_mask"))
+    mask = _host_array(x.get("padding_mask"))
     if mask is None or mask.ndim < 2 or mask.shape[-1] < torch_ops.SEGMENT_MIN_LENGTH:
         return False
     if not torch.cuda.is_available():
         return False
-    mask = mask.numpy() != 0
+    mask = mask != 0
     rows = mask.reshape(-1, mask.shape[-1])
     # real tokens first: no row turns from padding back to a real token
     if (rows[:, 1:] & ~rows[:, :-1]).any():
@@ -162,9 +169,8 @@ def segments_apply(data):
     if not weights:
         return False
     for weight in weights:
-        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu":
-            weight = weight.numpy()
-        if not isinstance(weight, np.ndarray) or weight.shape[: mask.ndim] != mask.shape:
+        weight = _host_array(weight)
+        if weight is None or weight.shape[: mask.ndim] != mask.shape:
             return False
         if (weight.reshape(mask.shape + (-1,))[~mask] != 0).any():
             return False
@@ -553,8 +559,7 @@ class GraphedTrainStep:
         torch.cuda.current_stream().wait_stream(self.stream)
         return logs
 
-    def _capture(self, data, signature):
-        segments = signature[-1]
+    def _capture(self, data, signature, segments):
         static_inputs = to_device(data)
         leaves = [v for v in keras.tree.flatten(static_inputs) if v is not None]
         if not all(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves):
@@ -621,7 +626,7 @@ class GraphedTrainStep:
             return static_logs
         capturing = not self.failed and len(self.graphs) < self.MAX_GRAPHS
         if capturing and self.eager_steps >= self.WARMUP and signature in self.seen:
-            return self._capture(data, signature)  # counted as a replay
+            return self._capture(data, signature, segments)  # counted as a replay
         self.seen.add(signature)
         self.eager_steps += 1
         if capturing:

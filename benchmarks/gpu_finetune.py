@@ -48,6 +48,9 @@ Systems:
                                      batches cut to length buckets (default)
     kbert-jax-b32, kbert-torch-b32   bucket lengths multiples of 32, not 16
                                      (fewer programs to compile, more padding)
+    kbert-jax-b16                    `bucket_lengths=16`: JAX on a GPU cuts
+                                     `fit`'s batches to buckets of 16 (by
+                                     default one length for the whole call)
     kbert-tensorflow(-fixed)         the TensorFlow backend, where installed
     kbert-jax-fixed, kbert-torch-fixed   the same with `bucket_lengths=False`:
                                      every batch padded to 128
@@ -97,6 +100,7 @@ DATA = os.path.join(HERE, "..", "..", "shared", "data")
 SYSTEMS = (
     "kbert-jax",
     "kbert-torch",
+    "kbert-jax-b16",
     "kbert-jax-b32",
     "kbert-torch-b32",
     "kbert-jax-fixed",

@@ -260,7 +260,7 @@ def run_kbert(arch, t, b, p, variant, steps, spe, data=None):
         "peak_bytes": peak,
         "whole_fit": {"steps": long, "seconds": long_s, "seq_per_s": long * b / long_s},
         "attention_path": backbone.transformer_layers[0].self_attention.attention_path(True),
-        "fused_kernel": kbert.backend.ops.fused_attention_path(),
+        "fused_kernel": attention_kernel(xs, ys, b, kbert_step="jit" not in options),
     }
     if data:
         result["loss_curve"] = curve
@@ -269,6 +269,24 @@ def run_kbert(arch, t, b, p, variant, steps, spe, data=None):
     if keras.backend.backend() == "jax":
         result["check"] = check_fused_attention()
     return result
+
+
+def attention_kernel(xs, ys, b, kbert_step):
+    """The attention kernel the training steps ran: on torch, kbert's step
+    (`kbert_step`, not torch.compile) runs attention over segments where
+    `torch_step.segments_apply` takes the first batch."""
+    import keras
+
+    import kbert
+
+    kernel = kbert.backend.ops.fused_attention_path()
+    if keras.backend.backend() == "torch" and kbert_step:
+        from kbert.backend import torch_step
+
+        first = ({k: v[:b] for k, v in xs.items()}, {k: v[:b] for k, v in ys.items()})
+        if torch_step.segments_apply(first):
+            kernel = "torch-flash-segments"
+    return kernel
 
 
 def hf_train_step(arch, t, b, p, ddp=False):

@@ -208,7 +208,8 @@ class StepTimes:
         (the first on the step's own program), and the loop's end (the
         device done: Keras reads the metrics back); and the steps per
         second from `switch` to the loop's end (where a step ran after
-        `switch`). The step times are those of the batch-begin hook of this
+        `switch`), and before it, from the first step on, on the loop
+        programs. The step times are those of the batch-begin hook of this
         callback, after the ahead compiler's (added after the caller's
         callbacks) has waited for the step's program."""
         begins = self.begins
@@ -219,6 +220,12 @@ class StepTimes:
         }
         if len(begins) <= 500:  # each step's begin, for short fits
             out["step_begins"] = [round(b - start, 4) for b in begins]
+        if switch and len(begins) > 2:  # steps on the loop programs, after the first
+            if switch + 1 < len(begins):
+                rate = (switch - 1) / (begins[switch] - begins[1])
+            else:
+                rate = (len(begins) - 1) / (self.end - begins[1])
+            out["loop_steps_per_second"] = rate
         switch = switch or 0
         if switch + 1 < len(begins):
             out["own_program_dispatched"] = begins[switch + 1] - start

@@ -92,6 +92,13 @@ elsewhere: a step compiled or captured per shape cannot take a
 data-dependent token count. Outputs at real tokens are the padded path's;
 at padding positions the block passes its inputs through.
 
+`gather_positions(x, positions)`: the rows of x (B, T, H) at positions (B, P)
+-> (B, P, H). On torch `torch.gather` on the positions expanded to
+(B, P, H): `take_along_dim`'s broadcasting made `torch.export` fix the
+batch and token sizes (ONNX export of `BertPreTrainer`). Elsewhere
+`keras.ops.take_along_axis`. Positions are inside [0, T) (checked on the
+host, `kbert.utils.checks`).
+
 `reverse_table_padding(rows)`: JAX pads the MLM decoder's vocabulary table to
 a multiple of 64 rows (tensor-core alignment; the logits are sliced back).
 """
@@ -118,6 +125,13 @@ def fill_padding(x, padding_mask, value):
     if backend.is_torch():
         return torch_ops.fill_padding(x, padding_mask, value)
     return ops.where(padding_mask > 0, x, ops.full_like(x, value))
+
+
+def gather_positions(x, positions):
+    """x (B, T, H), positions (B, P) integers in [0, T) -> (B, P, H)."""
+    if backend.is_torch():
+        return torch_ops.gather_positions(x, positions)
+    return ops.take_along_axis(x, ops.expand_dims(ops.cast(positions, "int32"), -1), axis=1)
 
 
 def packed_weight_cache():

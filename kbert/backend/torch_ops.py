@@ -376,6 +376,15 @@ def set_rng_state(arrays):
         torch.cuda.set_rng_state_all([torch.from_numpy(arrays[k].copy()) for k in cuda])
 
 
+def gather_positions(x, positions):
+    """x (B, T, H), positions (B, P) -> (B, P, H): one `gather` on the
+    positions expanded to (B, P, H), whose sizes `torch.export` keeps
+    symbolic (`take_along_dim`'s broadcasting fixed them)."""
+    x = torch.as_tensor(x)
+    index = torch.as_tensor(positions, device=x.device).long()
+    return torch.gather(x, 1, index[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
 def fill_padding(x, padding_mask, value):
     """`kbert.backend.ops.fill_padding`: `masked_fill` with the number."""
     x = ops.convert_to_tensor(x)

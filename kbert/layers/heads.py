@@ -8,6 +8,7 @@ Logits are float32 under mixed precision, so losses are computed in float32.
 import keras
 from keras import ops
 
+from kbert.backend.ops import gather_positions
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.dense import Dense
 from kbert.layers.layer_norm import LayerNorm
@@ -147,8 +148,7 @@ class MaskedLMHead(keras.layers.Layer):
         self.built = True
 
     def call(self, sequence_output, mask_positions):
-        positions = ops.expand_dims(ops.cast(mask_positions, "int32"), -1)  # (B, P, 1)
-        x = ops.take_along_axis(sequence_output, positions, axis=1)  # (B, P, H)
+        x = gather_positions(sequence_output, mask_positions)  # (B, P, H)
         x = self.layer_norm(self.transform(x))  # (B, P, E)
         if self.token_embedding is not None:
             logits = self.token_embedding(x, reverse=True)  # (B, P, V)

@@ -231,11 +231,11 @@ def _gelu32_derivative(x32, approximate):
 def gelu(x, approximate=False):
     """GELU in the erf form (or the tanh approximation), computed in float32.
 
-    Its gradient is recomputed from x: autodiff of the float32 expression
-    kept three float32 copies of the (B, T, 4H) activation per block for
-    the backward pass (x, 1 + erf and the exponential), which a training
-    step wrote and read back; now it keeps x, in its own dtype. (Reverse
-    mode only, as every custom gradient here.)"""
+    Its gradient is recomputed from x, the only value kept for the
+    backward pass, in its own dtype: autodiff of the float32 expression
+    keeps three float32 copies of the (B, T, 4H) activation per block (x,
+    1 + erf and the exponential), which a training step writes and reads
+    back. (Reverse mode only, as every custom gradient here.)"""
     return _gelu(x, bool(approximate))
 
 

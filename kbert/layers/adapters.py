@@ -9,6 +9,7 @@ import keras
 from kbert.backend import keras_internals
 from kbert.layers.activations import get_activation
 from kbert.layers.dense import Dense
+from kbert.layers.initializers import truncated_normal
 
 ADAPTER_LAYER_NAMES = ("attention_adapter", "output_adapter")
 
@@ -43,7 +44,7 @@ class BottleneckAdapter(keras.layers.Layer):
         self.down = Dense(
             adapter_size,
             activation=get_activation(activation),
-            kernel_initializer=keras.initializers.TruncatedNormal(stddev=initializer_range),
+            kernel_initializer=truncated_normal(initializer_range),
             dtype=self.dtype_policy,
             name="down",
         )

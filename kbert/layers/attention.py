@@ -27,6 +27,7 @@ from kbert.backend.ops import (
 )
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
+from kbert.layers.initializers import truncated_normal
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -65,7 +66,7 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         self.head_dim = hidden_dim // num_heads
         self.attention_dropout = attention_dropout
         self.initializer_range = initializer_range
-        init = keras.initializers.TruncatedNormal(stddev=initializer_range)
+        init = truncated_normal(initializer_range)
         self.qkv = Dense(
             3 * hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="qkv"
         )

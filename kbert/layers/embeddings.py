@@ -10,12 +10,9 @@ from keras import ops
 from kbert.backend.ops import fused_embedding_sum, reverse_table_padding
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
+from kbert.layers.initializers import truncated_normal
 from kbert.layers.layer_norm import LayerNorm
 from kbert.utils import checks
-
-
-def _initializer(stddev):
-    return keras.initializers.TruncatedNormal(stddev=stddev)
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -114,14 +111,14 @@ class BertEmbeddings(keras.layers.Layer):
         self.token_embedding = TokenEmbedding(
             vocabulary_size,
             width,
-            embeddings_initializer=_initializer(initializer_range),
+            embeddings_initializer=truncated_normal(initializer_range),
             dtype=self.dtype_policy,
             name="token_embedding",
         )
         self.segment_embedding = keras.layers.Embedding(
             type_vocab_size,
             width,
-            embeddings_initializer=_initializer(initializer_range),
+            embeddings_initializer=truncated_normal(initializer_range),
             dtype=self.dtype_policy,
             name="segment_embedding",
         )
@@ -129,11 +126,12 @@ class BertEmbeddings(keras.layers.Layer):
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
         self.dropout_layer = Dropout(dropout, dtype=self.dtype_policy, name="dropout")
+        self.position_embeddings_initializer = truncated_normal(initializer_range)
         self.projection = None
         if embedding_dim is not None:
             self.projection = Dense(
                 hidden_dim,
-                kernel_initializer=_initializer(initializer_range),
+                kernel_initializer=truncated_normal(initializer_range),
                 dtype=self.dtype_policy,
                 name="projection",
             )
@@ -149,7 +147,7 @@ class BertEmbeddings(keras.layers.Layer):
         self.position_embeddings = self.add_weight(
             name="position_embeddings",
             shape=(self.max_sequence_length, self.table_dim),
-            initializer=_initializer(self.initializer_range),
+            initializer=self.position_embeddings_initializer,
         )
         self.layer_norm.build(tuple(token_ids_shape) + (self.table_dim,))
         if self.projection is not None:

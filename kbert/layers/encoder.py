@@ -11,6 +11,7 @@ from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
+from kbert.layers.initializers import truncated_normal
 from kbert.layers.layer_norm import LayerNorm
 
 
@@ -60,7 +61,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.adapter_size = adapter_size
-        init = keras.initializers.TruncatedNormal(stddev=initializer_range)
+        init = truncated_normal(initializer_range)
         policy = self.dtype_policy
         self.self_attention = MultiHeadSelfAttention(
             num_heads,

@@ -11,11 +11,12 @@ from keras import ops
 from kbert.backend.ops import gather_positions
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.dense import Dense
+from kbert.layers.initializers import truncated_normal
 from kbert.layers.layer_norm import LayerNorm
 
 
 def _initializer(stddev):
-    return keras.initializers.TruncatedNormal(stddev=stddev)
+    return truncated_normal(stddev)
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -137,10 +138,11 @@ class MaskedLMHead(keras.layers.Layer):
         self.transform.build((None, None, self.hidden_dim))
         self.layer_norm.build((None, None, self.decoder_dim))
         if self.token_embedding is None:
+            self.decoder_kernel_initializer = _initializer(self.initializer_range)
             self.decoder_kernel = self.add_weight(
                 name="decoder_kernel",
                 shape=(self.decoder_dim, self.vocabulary_size),
-                initializer=_initializer(self.initializer_range),
+                initializer=self.decoder_kernel_initializer,
             )
         self.output_bias = self.add_weight(
             name="output_bias", shape=(self.vocabulary_size,), initializer="zeros"

@@ -7,6 +7,7 @@ keras-hub preset), builds the model and assigns the weights, and writes task
 presets (backbone files + the head's `task.json` and `task.safetensors`).
 """
 
+import contextlib
 import logging
 import os
 
@@ -14,6 +15,7 @@ import keras
 
 from kbert.convert import huggingface, keras_hub, tf_checkpoint
 from kbert.export import export_model
+from kbert.layers import initializers
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.presets import io
@@ -127,8 +129,11 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
             config, f"{directory} with {sorted(overrides)} overridden", load_weights=load_weights
         )
     io.check_vocabulary_file(directory, vocabulary_file, config["vocabulary_size"])
+    # weights the checkpoint sets are built as zeros, not drawn (`kbert.layers.initializers`)
+    building = initializers.placeholders() if weights is not None else contextlib.nullcontext()
     try:
-        backbone = backbone_cls.from_config(config)
+        with building as placeholders:
+            backbone = backbone_cls.from_config(config)
     except (TypeError, ValueError) as e:
         raise io.PresetError(f"{directory} has an invalid backbone config: {e}") from e
     if weights is not None:
@@ -138,6 +143,7 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
             source=source,
             allow_missing=allow_missing + new_adapters,
         )
+        initializers.draw_unset(backbone, weights, placeholders)
     return backbone
 
 

@@ -33,11 +33,14 @@ class PackedWeightCache:
 
 def onednn_inference(x):
     """Whether `x` takes oneDNN's packed-weight product: float32 on the CPU,
-    without autograd, where torch has the op (torch 2.1-2.13 checked)."""
+    without autograd, outside `torch.compile` (whose Inductor cannot lower
+    the product on a weight packed outside its graph; it packs weights
+    itself), where torch has the op (torch 2.1-2.13 checked)."""
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )

@@ -22,6 +22,7 @@ from kbert.layers.activations import canonical_activation
 from kbert.presets.architectures import check_backbone_config
 from kbert.presets.io import PresetError, preset_file, read_json, safetensors_shapes
 from kbert.presets.weights import held_sizes
+from kbert.utils.files import save_safetensors
 
 logger = logging.getLogger("kbert")
 
@@ -560,8 +561,6 @@ def export_to_huggingface(model, directory, preprocessor=None):
         preprocessor: `kbert.BertPreprocessor` or None. the tokenizer to
             write; defaults to the one attached to `model`.
     """
-    from safetensors.numpy import save_file
-
     name = type(model).__name__
     if name not in HF_ARCHITECTURES:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
@@ -653,7 +652,7 @@ def export_to_huggingface(model, directory, preprocessor=None):
         "BertQuestionAnswerer",
     ):  # transformers builds these without a pooler
         state = {k: v for k, v in state.items() if not k.startswith(prefix + "pooler.")}
-    save_file(
+    save_safetensors(
         {k: np.ascontiguousarray(v) for k, v in state.items()},
         os.path.join(directory, "model.safetensors"),
         metadata={"format": "pt"},

@@ -103,13 +103,13 @@ class BertClassifier(Task):
             return None
         values = _host_values(y)
         if self.num_classes == 1:
-            values = values.astype("float32")
+            values = checks.check_numbers(values, "regression targets", "scores").astype("float32")
             if not np.all(np.isfinite(values)):
                 bad = values[~np.isfinite(values)][0]
                 raise ValueError(f"regression targets contain {bad}; remove or fix those examples")
             return values
         return checks.check_class_ids(
-            values, self.num_classes, hint="; for scores use num_classes=1"
+            values, self.num_classes, hint="; for scores use num_classes=1", per_example=True
         )
 
     def predict_classes(self, x, **kwargs):
@@ -129,8 +129,8 @@ def _host_values(y):
             values = np.asarray(y)
         except (TypeError, ValueError, RuntimeError):  # e.g. tensors on a GPU
             values = None
-        if values is not None and values.dtype.kind in "biuf":
-            return values
+        if values is not None and values.dtype.kind in "biufUSO":
+            return values  # names and None are named by the checks
     return np.asarray(keras.ops.convert_to_numpy(y))
 
 

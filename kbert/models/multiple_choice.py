@@ -126,6 +126,12 @@ class BertMultipleChoice(Task):
             return x
         contexts, choices = x
         contexts = [contexts] if isinstance(contexts, str) else list(contexts)
+        for row, options in enumerate(choices):
+            if isinstance(options, str):
+                raise ValueError(
+                    f"example {row}: its choices must be a list of strings, got the string "
+                    f"{options!r:.60}"
+                )
         choices = [list(c) for c in choices]
         if len(contexts) != len(choices):
             raise ValueError(f"got {len(contexts)} contexts but {len(choices)} choice lists")
@@ -141,5 +147,5 @@ class BertMultipleChoice(Task):
 
     def check_targets(self, y):
         return checks.check_class_ids(
-            y, self.num_choices, kind="multiple-choice", meaning="choice indices"
+            y, self.num_choices, kind="multiple-choice", meaning="choice indices", per_example=True
         )

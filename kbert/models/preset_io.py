@@ -176,8 +176,12 @@ def _check_tokenizer_settings(directory, backbone):
                 f"{source}: sequence_length must be an integer in [1, {limit}] (the backbone's "
                 f"max_sequence_length), got {length!r:.60}"
             )
-        if not isinstance(config.get("truncate", "longest_first"), str):
-            raise io.PresetError(f"{source}: truncate must be a string")
+        truncate = config.get("truncate", "longest_first")
+        if truncate != "longest_first":
+            raise io.PresetError(
+                f"{source}: truncate must be 'longest_first' (the original BERT rule), "
+                f"got {truncate!r:.60}"
+            )
 
 
 def _check_json_type(source, config, key, types, meaning):
@@ -238,10 +242,15 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     backbone = load_backbone(
         cls.backbone_cls, directory, load_weights=load_weights, **backbone_overrides
     )
-    task_config, head_weights, quantized = {}, None, None
+    task_config, head_weights, quantized, subset = {}, None, None, False
     if os.path.lexists(os.path.join(directory, TASK_CONFIG_FILE)):
         saved = io.read_json(directory, TASK_CONFIG_FILE)
-        if saved.get("class_name") == cls.__name__:
+        if saved.get("class_name") in cls.head_weights_from and not saved.get("quantized_layers"):
+            # e.g. BertMaskedLM from a BertPreTrainer preset: its MLM head
+            subset = True
+            if load_weights:
+                head_weights = io.load_weights_file(directory, TASK_WEIGHTS_FILE)
+        elif saved.get("class_name") == cls.__name__:
             task_config = saved.get("config", {})
             if not isinstance(task_config, dict):
                 raise io.PresetError(f"{directory}/{TASK_CONFIG_FILE} has no 'config' object")
@@ -279,7 +288,10 @@ def load_task(cls, directory, load_weights=True, **kwargs):
                 f"expected {sorted(paths)}, got {sorted(head_weights)}"
             )
     if head_weights is not None:
-        assign_weights(model, head_weights, source=source, paths=model.head_weight_paths())
+        paths = model.head_weight_paths()
+        if subset:
+            head_weights = {p: v for p, v in head_weights.items() if p in set(paths)}
+        assign_weights(model, head_weights, source=source, paths=paths)
     return model
 
 

@@ -55,6 +55,10 @@ class _PreTrainingTask(Task):
     """Shared graph and loss of BertPreTrainer and BertMaskedLM."""
 
     with_nsp = True
+    targets_hint = (
+        "it trains on masked batches, inputs with their targets, such as those of "
+        "kbert.data.dynamic_pretraining_dataset (docs/pretraining.md)"
+    )
     # Pre-training datasets are packed to full length, and a TPU needs the
     # static shapes they have: tf.data batches are not cut to buckets.
     bucket_datasets = False
@@ -209,3 +213,4 @@ class BertMaskedLM(_PreTrainingTask):
     """
 
     with_nsp = False
+    head_weights_from = ("BertPreTrainer",)  # its MLM head, without the NSP head

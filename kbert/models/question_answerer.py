@@ -251,10 +251,18 @@ class BertQuestionAnswerer(Task):
         """Character answer -> (first token, last token), or None (no answer)."""
         if answer is None:
             return None
+        form = '{"text": ..., "answer_start": <its character offset in the context>}'
         if isinstance(answer, dict):
-            text, char_start = answer.get("text", ""), answer.get("answer_start", -1)
-        else:
+            text, char_start = answer.get("text", ""), answer.get("answer_start")
+            if text and char_start is None:
+                raise ValueError(f"answer {index} ({text!r:.60}) has no answer_start: {form}")
+        elif isinstance(answer, (list, tuple)) and len(answer) == 2:
             text, char_start = answer
+        else:
+            raise ValueError(
+                f"answer {index} must be {form}, a (text, answer_start) pair or None, "
+                f"got {answer!r:.60}"
+            )
         if not text:
             return None
         if (

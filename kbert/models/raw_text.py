@@ -1,5 +1,5 @@
 """Raw text in a task's `fit`, `evaluate` and `predict`: strings (or
-`(texts, pairs)` tuples) become model inputs through the task's
+`(texts, pairs)` tuples, or lists of `(text, pair)` tuples) become model inputs through the task's
 preprocessor; `tf.data` datasets of strings are mapped through its
 in-graph form; model-input dicts pass through."""
 
@@ -22,6 +22,17 @@ def is_text(x):
     return False
 
 
+def is_pair_list(x):
+    """A list of (text, pair) tuples of two strings."""
+    return (
+        isinstance(x, list)
+        and len(x) > 0
+        and all(
+            isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in x
+        )
+    )
+
+
 def is_tf_dataset(x):
     """A `tf.data.Dataset` (without importing TensorFlow when nothing has)."""
     if "tensorflow" not in sys.modules:
@@ -32,12 +43,14 @@ def is_tf_dataset(x):
 
 
 def preprocess_samples(preprocessor, x):
-    """Raw strings (a list, an array, or a (texts, pairs) tuple) -> model
-    inputs; anything else passes through."""
+    """Raw strings (a list, an array, a (texts, pairs) tuple or a list of
+    (text, pair) tuples) -> model inputs; anything else passes through."""
     if preprocessor is None or isinstance(x, dict) or x is None:
         return x
     if isinstance(x, tuple) and len(x) == 2 and is_text(x[0]) and is_text(x[1]):
         return preprocessor(x[0], x[1])
+    if is_pair_list(x):  # [(text, pair), ...]
+        return preprocessor([p[0] for p in x], [p[1] for p in x])
     if is_text(x):
         return preprocessor(x)
     return x
@@ -72,7 +85,7 @@ def convert(task, x, y, with_targets=True):
             return x, y
         return map_dataset(task.preprocessor, x, with_targets), y
     if task.preprocessor is None and (
-        is_text(x) or (isinstance(x, tuple) and len(x) == 2 and is_text(x[0]))
+        is_text(x) or is_pair_list(x) or (isinstance(x, tuple) and len(x) == 2 and is_text(x[0]))
     ):
         raise ValueError(
             f"{type(task).__name__} got raw text but has no preprocessor to tokenize it; "

@@ -137,8 +137,12 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
     # back to the input length with `token_output_fill`.
     token_outputs = False
     token_output_fill = 0.0
-    # `fit` / `evaluate` on host inputs need targets (`y`).
+    # `fit` / `evaluate` on host inputs need targets (`y`), described thus.
     targets_required = True
+    targets_hint = "pass them as `y` (labels for texts, or target arrays for model inputs)"
+    # Task presets of these classes hold this task's head among theirs
+    # (`from_preset` loads it from them).
+    head_weights_from = ()
     # Whether batched tf.data inputs are cut to bucket lengths too.
     bucket_datasets = True
 
@@ -259,7 +263,12 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         always, False never.
         """
         a = _bind(keras.Model.fit, x, y, *args, **kwargs)
+        _require_compiled(self, "fit")
         _require_data(self, "fit", a["x"], a["y"])
+        if "shuffle" not in _given(keras.Model.fit, x, y, *args, **kwargs) and _batched_source(
+            a["x"]
+        ):
+            a["shuffle"] = False  # Keras' default, which it warns a dataset ignores
         if backend.is_torch():
             torch_step.warm_up(self)  # the Adam kernel compiles while the text is tokenized
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
@@ -346,6 +355,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         """Keras `evaluate`, with `fit`'s input checks and length buckets
         (the batches of fixed-length padding, each cut to its bucket)."""
         a = _bind(keras.Model.evaluate, x, y, *args, **kwargs)
+        _require_compiled(self, "evaluate")
         _require_data(self, "evaluate", a["x"], a["y"])
         a["x"], a["y"] = raw_text.convert(self, a["x"], a["y"])
         bucket_lengths = _multiple(bucket_lengths, self, a["x"])
@@ -666,10 +676,37 @@ def _require_data(task, method, x, y):
         )
     host = isinstance(x, (dict, list, tuple)) or raw_text.is_text(x)
     if y is None and task.targets_required and host:
+        raise ValueError(f"{type(task).__name__}.{method} needs targets: {task.targets_hint}")
+
+
+def _require_compiled(task, method):
+    """`fit` / `evaluate`: the same ValueError on every backend for a model
+    not compiled, or compiled without a loss where it computes none itself
+    (JAX would otherwise train on a loss of 0)."""
+    name = type(task).__name__
+    if not task.compiled:
+        raise ValueError(f"{name}.{method}: call `compile()` before `{method}`")
+    own_loss = type(task).compute_loss is not keras.Model.compute_loss
+    if getattr(task, "loss", None) is None and not own_loss and not task.losses:
         raise ValueError(
-            f"{type(task).__name__}.{method} needs targets: pass them as `y` "
-            "(labels for texts, or target arrays for model inputs)"
+            f"{name}.{method}: no loss to compute; pass one to `compile(loss=...)` "
+            "(for example keras.losses.MeanSquaredError() for target embeddings)"
         )
+
+
+def _given(method, *args, **kwargs):
+    """The names of the arguments a call of Keras `Model` method passed."""
+    arguments = dict(inspect.signature(method).bind(None, *args, **kwargs).arguments)
+    return set(arguments) | set(arguments.pop("kwargs", {}))
+
+
+def _batched_source(x):
+    """Data that batches and orders itself, whose order Keras leaves as it
+    is (with a warning where `shuffle=True`): a tf.data dataset, a
+    generator, a torch `DataLoader`."""
+    if raw_text.is_tf_dataset(x) or inspect.isgenerator(x):
+        return True
+    return type(x).__name__ == "DataLoader" and type(x).__module__.startswith("torch.")
 
 
 def _steps(x, batch_size, steps=None):

@@ -104,10 +104,25 @@ class BertTokenClassifier(Task):
                 raise ValueError(
                     f"sentence {row} must be a list of word strings, got {words!r}"[:200]
                 )
+            if labels is not None and (
+                isinstance(labels[row], str) or not hasattr(labels[row], "__len__")
+            ):
+                raise ValueError(
+                    f"the labels of sentence {row} must be a list with one label per word, "
+                    f"got {labels[row]!r:.60}"
+                )
             if labels is not None and len(labels[row]) != len(words):
                 raise ValueError(
                     f"sentence {row} has {len(words)} words but {len(labels[row])} labels"
                 )
+        if labels is not None:
+            checks.check_class_ids(
+                np.concatenate([np.asarray(l).reshape(-1) for l in labels])
+                if batch
+                else np.zeros(0, "int64"),
+                self.num_classes,
+                kind="token",
+            )
         # each distinct word tokenized once, in one batch
         distinct = list(dict.fromkeys(w for words in sentences for w in words))
         word_pieces = dict(zip(distinct, tokenizer.tokenize(distinct)))
@@ -127,14 +142,6 @@ class BertTokenClassifier(Task):
                     y[row, position] = label
                     weights[row, position] = 1.0
             firsts.append(positions)
-        if labels is not None:
-            checks.check_class_ids(
-                np.concatenate([np.asarray(l).reshape(-1) for l in labels])
-                if batch
-                else np.zeros(0, "int64"),
-                self.num_classes,
-                kind="token",
-            )
         x = {"token_ids": token_ids, "segment_ids": np.zeros_like(token_ids), "padding_mask": mask}
         if labels is None:
             return x, None, None, firsts

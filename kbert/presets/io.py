@@ -17,7 +17,7 @@ import os
 
 import keras
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from kbert import backend
 from kbert.layers.adapters import ADAPTER_LAYER_NAMES
@@ -25,7 +25,14 @@ from kbert.presets.architectures import check_backbone_config
 from kbert.presets.registry import PRESETS, download_preset, is_hub_handle
 from kbert.presets.weights import held_sizes, weights_dict
 from kbert.tokenizers.vocabulary import load_vocabulary
-from kbert.utils.files import MAX_VOCABULARY_BYTES, PresetError, load_json, preset_file, sha256
+from kbert.utils.files import (
+    MAX_VOCABULARY_BYTES,
+    PresetError,
+    load_json,
+    preset_file,
+    save_safetensors,
+    sha256,
+)
 from kbert.version import __version__
 
 logger = logging.getLogger("kbert")
@@ -68,6 +75,12 @@ def resolve_preset(preset, allow_pickle=False):
     if is_hub_handle(preset) or preset in PRESETS:
         return download_preset(preset, allow_pickle=allow_pickle)
     if os.path.exists(preset):
+        if preset.endswith((".keras", ".h5")):
+            raise PresetError(
+                f"{preset!r} is a saved Keras model, not a preset directory: load it with "
+                "keras.saving.load_model(path) after `import kbert` (or save the model with "
+                "save_to_preset to make a preset)"
+            )
         raise PresetError(f"preset {preset!r} is a file; pass the directory that holds it")
     if os.sep in preset or preset.startswith("."):
         raise PresetError(f"preset directory {preset!r} does not exist")
@@ -99,7 +112,7 @@ def save_weights_file(directory, name, layer, exclude=(), exact=False):
         for k, v in weights_dict(layer).items()
         if (k not in excluded if exact else not any(k.startswith(e) for e in exclude))
     }
-    save_file(weights, os.path.join(directory, name))
+    save_safetensors(weights, os.path.join(directory, name))
 
 
 def load_weights_file(directory, name):
@@ -235,6 +248,12 @@ def read_backbone_preset(directory, load_weights=True):
         )
     if not isinstance(config.get("config"), dict):
         raise PresetError(f"{directory}/{CONFIG_FILE} has no 'config' object")
+    version = config.get("format_version", FORMAT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+        raise PresetError(
+            f"{directory}/{CONFIG_FILE} is format_version {version!r:.40}; this kbert "
+            f"reads presets up to format_version {FORMAT_VERSION}: upgrade kbert"
+        )
     source = os.path.join(directory, CONFIG_FILE)
     if not load_weights:
         check_backbone_config(config["config"], source, load_weights=False)

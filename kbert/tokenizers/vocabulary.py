@@ -36,6 +36,13 @@ def load_vocabulary(vocabulary):
 
 
 def check_special_tokens(tokens, special_tokens=SPECIAL_TOKENS):
+    for token in special_tokens:
+        if not isinstance(token, str) or not token:
+            raise ValueError(
+                f"special tokens must be non-empty strings from the vocabulary, got "
+                f"{token!r:.60}; BERT needs all five ([PAD], [UNK], [CLS], [SEP], [MASK], "
+                "or your vocabulary's names for them)"
+            )
     missing = [t for t in special_tokens if t not in set(tokens)]
     if missing:
         raise ValueError(

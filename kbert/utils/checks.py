@@ -78,10 +78,22 @@ def check_sequence_length(length, max_sequence_length):
         )
 
 
-def check_class_ids(values, count, kind="classification", meaning="class ids", hint=""):
+def check_class_ids(
+    values, count, kind="classification", meaning="class ids", hint="", per_example=False
+):
     """Labels -> int64 array, or a ValueError naming the first bad label:
-    fractional values, or ids outside [0, count)."""
-    values = np.asarray(values)
+    not a number (a name, None), fractional, or outside [0, count).
+    `per_example`: one label per example, so a column (N, 1) is flattened
+    to (N,), and other shapes are refused (one-hot rows named as such)."""
+    values = check_numbers(values, f"{kind} labels", f"{meaning} 0..{count - 1}")
+    if per_example and values.ndim == 2 and values.shape[1] == 1:
+        values = values[:, 0]
+    if per_example and values.ndim != 1:
+        one_hot = values.ndim == 2 and values.shape[1] == count and count > 1
+        raise ValueError(
+            f"{kind} labels must be one per example ({meaning}), got shape {values.shape}"
+            + ("; these look one-hot: pass np.argmax(labels, axis=-1)" if one_hot else "")
+        )
     if values.dtype.kind == "f" and not np.all(np.mod(values, 1) == 0):
         raise ValueError(f"{kind} labels must be integers ({meaning}){hint}")
     values = values.astype("int64")
@@ -91,6 +103,26 @@ def check_class_ids(values, count, kind="classification", meaning="class ids", h
             f"label {bad} is outside [0, {count}): labels are {meaning} 0..{count - 1}"
         )
     return values
+
+
+def check_numbers(values, what, meaning):
+    """`values` as a numeric NumPy array, or a ValueError naming the first
+    entry that is not a number (a string such as a class name, None)."""
+    values = np.asarray(values)
+    if values.dtype.kind in "biuf":
+        return values
+    if values.dtype.kind in "USO":
+        for value in values.reshape(-1):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(
+                value, (int, float, np.integer, np.floating)
+            ):
+                raise ValueError(
+                    f"{what} must be numbers ({meaning}), got {value!r:.60} "
+                    f"({type(value).__name__}); map names to ids first, e.g. "
+                    "{name: i for i, name in enumerate(sorted(set(labels)))}"
+                )
+        return values.astype("float64")
+    raise ValueError(f"{what} must be numbers ({meaning}), got an array of {values.dtype}")
 
 
 # Model inputs checked on the host before a backend sees them, with the

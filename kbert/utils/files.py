@@ -117,3 +117,15 @@ def sha256(path):
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def save_safetensors(tensors, path, metadata=None):
+    """`safetensors.numpy.save_file`, with the permissions of any other file
+    written here (0666 less the umask): safetensors creates the file
+    readable by its owner only."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    mask = os.umask(0o022)  # reading the umask sets it: put it back at once
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -45,9 +45,7 @@ def models():
     tokenizer = BertTokenizer(VOCAB)
     pre = kbert.BertPreprocessor(tokenizer, sequence_length=16)
     backbone = kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)})
-    return {
-        "tokenizer": tokenizer,
-        "preprocessor": pre,
+    tasks = {
         "classifier": kbert.BertClassifier(backbone, 3, preprocessor=pre),
         "regressor": kbert.BertClassifier(backbone, 1, preprocessor=pre),
         "tagger": kbert.BertTokenClassifier(backbone, 3, preprocessor=pre),
@@ -55,6 +53,9 @@ def models():
         "mc": kbert.BertMultipleChoice(backbone, 2, preprocessor=pre),
         "embedder": kbert.BertTextEmbedder(backbone, preprocessor=pre),
     }
+    for name, task in tasks.items():  # fit and evaluate need a compiled model with a loss
+        task.compile(loss="mse") if name == "embedder" else task.compile()
+    return {"tokenizer": tokenizer, "preprocessor": pre, **tasks}
 
 
 def _finite(values):

@@ -65,13 +65,15 @@ def main():
     parser.add_argument("--preset", default=None)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="JSON results (required, except in the child processes)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     directory = args.preset or default_preset()
     if args.child:
         child(args.child, directory)
         return
+    if not args.out:
+        parser.error("--out is required")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     report = {
         "preset": directory,

@@ -3,10 +3,9 @@ checkpoint is about to set.
 
 A model loaded from a checkpoint is built first, which draws every weight
 from its initializer, then its weights are overwritten. The truncated
-normal draws are the slow part of that build: on a CPU, 1.9 of the 2.4 s
-of loading all-MiniLM-L6-v2 on torch, and on JAX 3.7 of 6.3 s, most of it
-compiling a sampling program per weight shape (benchmarks/RESULTS.md).
-Under `placeholders()`, `truncated_normal` gives `Placeholder`s instead:
+normal draws were most of that load: on JAX mostly the compilation of a
+sampling program per weight shape, on torch the sampling itself
+("Loading a checkpoint" in benchmarks/RESULTS.md). Under `placeholders()`, `truncated_normal` gives `Placeholder`s instead:
 zeros from host memory, no draw and no program. `draw_unset` then draws
 the real values of the weights the checkpoint did not set (a new adapter,
 a pooler a checkpoint lacks) and gives the layers their real initializers

@@ -198,7 +198,7 @@ def _normalise_names(state):
         )
         value = np.asarray(value)
         if value.dtype.kind == "f" or value.dtype.name == "bfloat16":
-            value = value.astype(np.float32)
+            value = value.astype(np.float32, copy=False)  # float32 as read: no copy
         out[name] = value
     return out
 

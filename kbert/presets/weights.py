@@ -53,7 +53,7 @@ def assign_weights(layer, weights, source="weights", allow_missing=(), paths=Non
             value = np.asarray(weights[path])
             if not np.all(np.isfinite(value)):
                 raise ValueError(f"{source}: weight {path!r} holds NaN or inf")
-            variable.assign(value.astype(variable.dtype))
+            variable.assign(value.astype(variable.dtype, copy=False))
 
 
 _LAYER = re.compile(r"transformer_layer_(\d+)/")

@@ -1,15 +1,15 @@
 """BERT's truncated-normal initializer, and placeholders for the weights a
 checkpoint is about to set.
 
-A model loaded from a checkpoint is built first, which draws every weight
-from its initializer, then its weights are overwritten. The truncated
-normal draws were most of that load: on JAX mostly the compilation of a
-sampling program per weight shape, on torch the sampling itself
-("Loading a checkpoint" in benchmarks/RESULTS.md). Under `placeholders()`, `truncated_normal` gives `Placeholder`s instead:
-zeros from host memory, no draw and no program. `draw_unset` then draws
-the real values of the weights the checkpoint did not set (a new adapter,
-a pooler a checkpoint lacks) and gives the layers their real initializers
-back.
+A model loaded from a checkpoint is built, then its weights are set from
+the checkpoint. Drawing each weight from its initializer at the build
+would be most of the load's time: on JAX mostly compiling a sampling
+program per weight shape, on torch the sampling itself ("Loading a
+checkpoint" in benchmarks/RESULTS.md). Under `placeholders()`,
+`truncated_normal` gives `Placeholder`s instead: zeros from host memory,
+no draw and no program. `draw_unset` then draws the real values of the
+weights the checkpoint did not set (a new adapter, a pooler a checkpoint
+lacks) and gives the layers their real initializers back.
 """
 
 import contextlib

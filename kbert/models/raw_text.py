@@ -94,6 +94,19 @@ def convert(task, x, y, with_targets=True):
             "`kbert.BertPreprocessor(kbert.BertTokenizer(<vocab.txt>, lowercase=...))`), "
             "or pass model inputs (a dict with token_ids, segment_ids, padding_mask)"
         )
+    if (
+        y is not None
+        and isinstance(x, tuple)
+        and len(x) == 2
+        and all(isinstance(v, str) for v in x)
+        and np.ndim(y) > 0
+        and len(y) != 1
+    ):
+        raise ValueError(
+            f"a tuple of two strings is one (text, pair) example, but {len(y)} targets came "
+            "with it: pass several texts as a list, and pairs as (texts, pairs) or as a "
+            "list of (text, pair) tuples"
+        )
     if y is not None:
         checked = task.check_targets(y)
         y = y if checked is None else checked

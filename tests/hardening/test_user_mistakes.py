@@ -119,6 +119,13 @@ def test_a_list_of_text_pairs_is_the_texts_and_pairs_tuple(classifier):
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
 
+def test_a_tuple_of_two_texts_with_two_labels(classifier):
+    with pytest.raises(ValueError, match="a tuple of two strings is one \\(text, pair\\) example"):
+        classifier.fit(("the movie was good", "the film was awful"), [1, 0], verbose=0)
+    one = classifier.evaluate(("the movie", "was good"), [1], verbose=0)  # one pair example
+    assert np.all(np.isfinite(one))
+
+
 def test_token_labels_must_be_one_list_per_sentence(preprocessor):
     model = kbert.BertTokenClassifier(_backbone(), num_classes=3, preprocessor=preprocessor)
     model.compile()

@@ -19,6 +19,8 @@ import functools
 import sys
 import unicodedata
 
+import numpy as np
+
 CJK_RANGES = (
     (0x4E00, 0x9FFF),
     (0x3400, 0x4DBF),
@@ -34,49 +36,33 @@ CJK_RANGES = (
 DELETE_TABLE = {"original": "delete", "transformers": "delete_all_c"}
 
 
-def _ranges(codepoints):
-    """Sorted code points -> [(start, end)] inclusive runs."""
-    runs = []
-    for cp in codepoints:
-        if runs and runs[-1][1] == cp - 1:
-            runs[-1][1] = cp
-        else:
-            runs.append([cp, cp])
-    return [tuple(r) for r in runs]
+def _runs(mask):
+    """A boolean mask over code points -> [(start, end)] inclusive runs."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+    return [(int(start), int(end) - 1) for start, end in zip(edges[::2], edges[1::2])]
 
 
 @functools.lru_cache(maxsize=None)
 def tables():
-    delete, delete_all_c, whitespace, punctuation, mn, split_space = [], [], [], [], [], []
-    for cp in range(sys.maxunicode + 1):
-        char = chr(cp)
-        category = unicodedata.category(char)
-        if char in " \t\n\r" or category == "Zs":
-            whitespace.append(cp)
-        else:
-            if cp == 0 or cp == 0xFFFD or category in ("Cc", "Cf"):
-                delete.append(cp)
-            if cp == 0 or cp == 0xFFFD or category.startswith("C"):
-                delete_all_c.append(cp)
-        if (
-            (33 <= cp <= 47)
-            or (58 <= cp <= 64)
-            or (91 <= cp <= 96)
-            or (123 <= cp <= 126)
-            or category.startswith("P")
-        ):
-            punctuation.append(cp)
-        if category == "Mn":
-            mn.append(cp)
-        if char.isspace():  # what str.split() splits on
-            split_space.append(cp)
+    n = sys.maxunicode + 1
+    chars = list(map(chr, range(n)))
+    # the category of every code point, computed by `map` in C; the classes
+    # below are array operations on it
+    categories = np.array(list(map(unicodedata.category, chars)))
+    major = categories.astype("U1")
+    cp = np.arange(n)
+    whitespace = np.isin(cp, [ord(c) for c in " \t\n\r"]) | (categories == "Zs")
+    special = (cp == 0) | (cp == 0xFFFD)
+    ascii_punctuation = np.zeros(n, bool)
+    for start, end in ((33, 47), (58, 64), (91, 96), (123, 126)):
+        ascii_punctuation[start : end + 1] = True
     return {
-        "delete": _ranges(delete),
-        "delete_all_c": _ranges(delete_all_c),
-        "whitespace": _ranges(whitespace),
-        "punctuation": _ranges(punctuation),
-        "mn": _ranges(mn),
-        "split_space": _ranges(split_space),
+        "delete": _runs(~whitespace & (special | (categories == "Cc") | (categories == "Cf"))),
+        "delete_all_c": _runs(~whitespace & (special | (major == "C"))),
+        "whitespace": _runs(whitespace),
+        "punctuation": _runs(ascii_punctuation | (major == "P")),
+        "mn": _runs(categories == "Mn"),
+        "split_space": _runs(np.fromiter(map(str.isspace, chars), bool, count=n)),  # str.split
         "cjk": list(CJK_RANGES),
     }
 

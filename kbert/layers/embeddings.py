@@ -126,7 +126,6 @@ class BertEmbeddings(keras.layers.Layer):
             epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="layer_norm"
         )
         self.dropout_layer = Dropout(dropout, dtype=self.dtype_policy, name="dropout")
-        self.position_embeddings_initializer = truncated_normal(initializer_range)
         self.projection = None
         if embedding_dim is not None:
             self.projection = Dense(
@@ -144,6 +143,7 @@ class BertEmbeddings(keras.layers.Layer):
     def build(self, token_ids_shape, segment_ids_shape=None):
         self.token_embedding.build(token_ids_shape)
         self.segment_embedding.build(token_ids_shape)
+        self.position_embeddings_initializer = truncated_normal(self.initializer_range)
         self.position_embeddings = self.add_weight(
             name="position_embeddings",
             shape=(self.max_sequence_length, self.table_dim),

@@ -58,6 +58,10 @@ class Placeholder(keras.initializers.Initializer):
 
     def __call__(self, shape, dtype=None):
         self.made += 1
+        if keras.distribution.distribution() is not None:
+            # Keras may compile the initializer to place a sharded weight:
+            # zeros made in the program, not a host array baked into it
+            return keras.ops.zeros(shape, dtype=dtype)
         try:
             dtype = np.dtype(keras.backend.standardize_dtype(dtype or "float32"))
         except TypeError:  # bfloat16 and other types numpy lacks: the variable casts

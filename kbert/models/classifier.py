@@ -109,7 +109,10 @@ class BertClassifier(Task):
                 raise ValueError(f"regression targets contain {bad}; remove or fix those examples")
             return values
         return checks.check_class_ids(
-            values, self.num_classes, hint="; for scores use num_classes=1", per_example=True
+            values,
+            self.num_classes,
+            hint="; for scores use num_classes=1",
+            per_example=self.takes_class_ids(),
         )
 
     def predict_classes(self, x, **kwargs):

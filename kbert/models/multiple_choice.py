@@ -126,6 +126,7 @@ class BertMultipleChoice(Task):
             return x
         contexts, choices = x
         contexts = [contexts] if isinstance(contexts, str) else list(contexts)
+        choices = [choices] if isinstance(choices, str) else list(choices)
         for row, options in enumerate(choices):
             if isinstance(options, str):
                 raise ValueError(
@@ -147,5 +148,9 @@ class BertMultipleChoice(Task):
 
     def check_targets(self, y):
         return checks.check_class_ids(
-            y, self.num_choices, kind="multiple-choice", meaning="choice indices", per_example=True
+            y,
+            self.num_choices,
+            kind="multiple-choice",
+            meaning="choice indices",
+            per_example=self.takes_class_ids(),
         )

@@ -22,15 +22,13 @@ def is_text(x):
     return False
 
 
+def _is_pair(p):
+    return isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p)
+
+
 def is_pair_list(x):
     """A list of (text, pair) tuples of two strings."""
-    return (
-        isinstance(x, list)
-        and len(x) > 0
-        and all(
-            isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in x
-        )
-    )
+    return isinstance(x, list) and len(x) > 0 and all(_is_pair(p) for p in x)
 
 
 def is_tf_dataset(x):
@@ -47,6 +45,12 @@ def preprocess_samples(preprocessor, x):
     (text, pair) tuples) -> model inputs; anything else passes through."""
     if preprocessor is None or isinstance(x, dict) or x is None:
         return x
+    if isinstance(x, tuple) and len(x) == 2 and all(_is_pair(v) for v in x):
+        raise ValueError(
+            "a tuple of two (str, str) tuples reads both as (texts, pairs) and as two "
+            "(text, pair) examples: pass a list of (text, pair) tuples, or (texts, pairs) "
+            "as two lists"
+        )
     if isinstance(x, tuple) and len(x) == 2 and is_text(x[0]) and is_text(x[1]):
         return preprocessor(x[0], x[1])
     if is_pair_list(x):  # [(text, pair), ...]

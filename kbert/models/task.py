@@ -130,6 +130,16 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
     def check_targets(self, y):
         """Raises a clear error for targets the task cannot learn from."""
 
+    def takes_class_ids(self):
+        """Whether the compiled loss takes one class id per example (sparse
+        categorical cross-entropy, the default of kbert's classifiers),
+        rather than, say, one-hot or multi-hot rows of the user's loss."""
+        loss = getattr(self, "loss", None)
+        if loss is None or isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+            return True
+        name = loss if isinstance(loss, str) else getattr(loss, "__name__", "")
+        return "sparse_categorical" in name
+
     # Targets and weights with a token axis (per-token labels) are cut with
     # the inputs when batches are bucketed.
     token_targets = False
@@ -686,12 +696,27 @@ def _require_compiled(task, method):
     name = type(task).__name__
     if not task.compiled:
         raise ValueError(f"{name}.{method}: call `compile()` before `{method}`")
-    own_loss = type(task).compute_loss is not keras.Model.compute_loss
-    if getattr(task, "loss", None) is None and not own_loss and not task.losses:
+    if getattr(task, "loss", None) is None and not _computes_own_loss(task) and not task.losses:
         raise ValueError(
             f"{name}.{method}: no loss to compute; pass one to `compile(loss=...)` "
             "(for example keras.losses.MeanSquaredError() for target embeddings)"
         )
+
+
+def _computes_own_loss(task):
+    """Whether `task`'s class computes a loss of its own: kbert's models
+    that override `compute_loss`, and any user subclass that overrides it,
+    the steps or `call` (which may `add_loss`)."""
+    for cls in type(task).__mro__:
+        module = cls.__module__ or ""
+        if module.startswith("keras."):
+            return False
+        names = ("compute_loss",)
+        if not module.startswith("kbert."):
+            names += ("train_step", "test_step", "call")
+        if any(name in vars(cls) for name in names):
+            return True
+    return False
 
 
 def _given(method, *args, **kwargs):

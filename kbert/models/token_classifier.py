@@ -99,6 +99,8 @@ class BertTokenClassifier(Task):
         y = np.zeros((batch, length), "int32")
         weights = np.zeros((batch, length), "float32")
         firsts = []
+        if labels is not None and len(labels) != len(sentences):
+            raise ValueError(f"got {len(sentences)} sentences but {len(labels)} label lists")
         for row, words in enumerate(sentences):
             if isinstance(words, str) or not all(isinstance(w, str) for w in words):
                 raise ValueError(

@@ -116,6 +116,7 @@ def check_numbers(values, what, meaning):
             if isinstance(value, (bool, np.bool_)) or not isinstance(
                 value, (int, float, np.integer, np.floating)
             ):
+                value = value.item() if isinstance(value, np.generic) else value
                 raise ValueError(
                     f"{what} must be numbers ({meaning}), got {value!r:.60} "
                     f"({type(value).__name__}); map names to ids first, e.g. "

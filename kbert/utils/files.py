@@ -126,6 +126,22 @@ def save_safetensors(tensors, path, metadata=None):
     from safetensors.numpy import save_file
 
     save_file(tensors, path, metadata=metadata)
-    mask = os.umask(0o022)  # reading the umask sets it: put it back at once
+    try:
+        os.chmod(path, 0o666 & ~_umask())
+    except OSError:  # a file system without permissions: the file is written
+        pass
+
+
+def _umask():
+    """The process's umask, read without changing it where Linux tells it
+    (`os.umask` sets it, for every thread, while reading it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask

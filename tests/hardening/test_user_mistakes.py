@@ -88,7 +88,7 @@ def test_labels_as_a_column_train_like_a_vector(classifier):
     "labels, message",
     [
         (np.eye(3)[[1, 0, 2, 0]], "look one-hot: pass np.argmax"),
-        (["pos", "neg", "pos", "neg"], r"must be numbers .*got np.str_\('pos'\).*map names to ids"),
+        (["pos", "neg", "pos", "neg"], r"must be numbers .*got 'pos' \(str\).*map names to ids"),
         ([1, None, 0, 1], "must be numbers .*got None"),
         (np.zeros((4, 2, 2)), r"one per example \(class ids\), got shape \(4, 2, 2\)"),
     ],
@@ -96,6 +96,33 @@ def test_labels_as_a_column_train_like_a_vector(classifier):
 def test_labels_in_other_forms_are_named(classifier, labels, message):
     with pytest.raises(ValueError, match=message):
         classifier.fit(TEXTS, labels, verbose=0)
+
+
+def test_one_hot_and_multi_hot_targets_with_a_loss_that_takes_them(preprocessor):
+    """The one-label-per-example rule is the default sparse loss's: with a
+    loss of the user's that takes rows, the rows train as before."""
+    keras.utils.set_random_seed(0)
+    for loss in (
+        keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1),
+        keras.losses.BinaryCrossentropy(from_logits=True),
+    ):
+        model = kbert.BertClassifier(_backbone(), num_classes=3, preprocessor=preprocessor)
+        model.compile(loss=loss, metrics=[])
+        rows = np.eye(3, dtype="float32")[[1, 0, 2, 0]]
+        if isinstance(loss, keras.losses.BinaryCrossentropy):
+            rows[0, 2] = 1.0  # two labels on one example
+        history = model.fit(TEXTS, rows, batch_size=2, verbose=0).history
+        assert np.isfinite(history["loss"][0])
+
+
+def test_a_subclass_with_its_own_loss_needs_none_in_compile(preprocessor):
+    class Scored(kbert.BertClassifier):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean(keras.ops.square(y_pred))
+
+    model = Scored(_backbone(), num_classes=2, preprocessor=preprocessor)
+    keras.Model.compile(model, optimizer="sgd")  # no loss
+    assert np.isfinite(model.fit(TEXTS, LABELS, batch_size=2, verbose=0).history["loss"][0])
 
 
 def test_regression_targets_that_are_not_numbers(preprocessor):
@@ -119,6 +146,11 @@ def test_a_list_of_text_pairs_is_the_texts_and_pairs_tuple(classifier):
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
 
+def test_a_tuple_of_two_pair_tuples_is_ambiguous(classifier):
+    with pytest.raises(ValueError, match="reads both as \\(texts, pairs\\) and as two"):
+        classifier.predict((("the movie", "was good"), ("the film", "was bad")), verbose=0)
+
+
 def test_a_tuple_of_two_texts_with_two_labels(classifier):
     with pytest.raises(ValueError, match="a tuple of two strings is one \\(text, pair\\) example"):
         classifier.fit(("the movie was good", "the film was awful"), [1, 0], verbose=0)
@@ -130,6 +162,8 @@ def test_token_labels_must_be_one_list_per_sentence(preprocessor):
     model = kbert.BertTokenClassifier(_backbone(), num_classes=3, preprocessor=preprocessor)
     model.compile()
     with pytest.raises(ValueError, match="labels of sentence 0 must be a list with one label"):
+        model.fit([["the", "movie"]], [1], verbose=0)
+    with pytest.raises(ValueError, match="got 1 sentences but 2 label lists"):
         model.fit([["the", "movie"]], [1, 0], verbose=0)
     with pytest.raises(ValueError, match="must be numbers .*'B-PER'"):
         model.fit([["the", "movie"]], [["B-PER", "O"]], verbose=0)
@@ -195,8 +229,12 @@ def test_preset_settings_this_kbert_cannot_honour(classifier, tmp_path):
 def test_weights_files_are_as_readable_as_the_others(classifier, tmp_path):
     from kbert.convert.huggingface import export_to_huggingface
 
-    classifier.save_to_preset(tmp_path / "preset")
-    export_to_huggingface(classifier, tmp_path / "hf")
+    mask = os.umask(0o022)  # group and others may read: owner-only files would differ
+    try:
+        classifier.save_to_preset(tmp_path / "preset")
+        export_to_huggingface(classifier, tmp_path / "hf")
+    finally:
+        os.umask(mask)
     for directory, weights in (
         (tmp_path / "preset", "model.safetensors"),
         (tmp_path / "hf", "model.safetensors"),

@@ -82,6 +82,25 @@ def test_weights_the_preset_lacks_are_drawn(saved, draws):
             np.testing.assert_array_equal(np.asarray(w.numpy()), saved_values[w.path])
 
 
+def test_a_pooler_the_checkpoint_lacks_is_drawn(tmp_path, draws):
+    """A Hugging Face BertForMaskedLM directory has no pooler."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    config = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        max_position_embeddings=24,
+    )
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "hf")
+    backbone = kbert.BertBackbone.from_preset(tmp_path / "hf")
+    kernel = np.asarray(backbone.get_layer("pooler").weights[0].numpy())
+    assert draws == [kernel.shape]  # the pooler's kernel only
+    assert 0.01 < kernel.std() < 0.03 and np.all(np.abs(kernel) <= 2 * 0.02 + 1e-6)
+
+
 def test_a_placeholder_weight_that_cannot_be_found_is_an_error():
     """A weight made by a placeholder that no `<name>_initializer` attribute
     names would keep its zeros: draw_unset refuses."""

@@ -290,7 +290,8 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     if head_weights is not None:
         paths = model.head_weight_paths()
         if subset:
-            head_weights = {p: v for p, v in head_weights.items() if p in set(paths)}
+            wanted = set(paths)
+            head_weights = {p: v for p, v in head_weights.items() if p in wanted}
         assign_weights(model, head_weights, source=source, paths=paths)
     return model
 

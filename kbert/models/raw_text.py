@@ -1,7 +1,7 @@
 """Raw text in a task's `fit`, `evaluate` and `predict`: strings (or
-`(texts, pairs)` tuples, or lists of `(text, pair)` tuples) become model inputs through the task's
-preprocessor; `tf.data` datasets of strings are mapped through its
-in-graph form; model-input dicts pass through."""
+`(texts, pairs)` tuples, or lists of `(text, pair)` tuples) become model
+inputs through the task's preprocessor; `tf.data` datasets of strings are
+mapped through its in-graph form; model-input dicts pass through."""
 
 import sys
 

@@ -43,7 +43,8 @@ def check_special_tokens(tokens, special_tokens=SPECIAL_TOKENS):
                 f"{token!r:.60}; BERT needs all five ([PAD], [UNK], [CLS], [SEP], [MASK], "
                 "or your vocabulary's names for them)"
             )
-    missing = [t for t in special_tokens if t not in set(tokens)]
+    vocabulary = set(tokens)
+    missing = [t for t in special_tokens if t not in vocabulary]
     if missing:
         raise ValueError(
             f"vocabulary has no {', '.join(missing)} token{'s' if len(missing) > 1 else ''}; "

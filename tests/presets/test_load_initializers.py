@@ -86,16 +86,10 @@ def test_a_pooler_the_checkpoint_lacks_is_drawn(tmp_path, draws):
     """A Hugging Face BertForMaskedLM directory has no pooler."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    config = transformers.BertConfig(
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=37,
-        max_position_embeddings=24,
-    )
-    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "hf")
-    backbone = kbert.BertBackbone.from_preset(tmp_path / "hf")
+    from tests.convert.test_huggingface import _hf_model
+
+    _, directory = _hf_model(tmp_path, cls=transformers.BertForMaskedLM)
+    backbone = kbert.BertBackbone.from_preset(directory)
     kernel = np.asarray(backbone.get_layer("pooler").weights[0].numpy())
     assert draws == [kernel.shape]  # the pooler's kernel only
     assert 0.01 < kernel.std() < 0.03 and np.all(np.abs(kernel) <= 2 * 0.02 + 1e-6)

@@ -28,6 +28,28 @@ def flatten_layers(layer):
     return layer._flatten_layers(include_self=False, recursive=True)
 
 
+def loading_saved_model():
+    """Whether this thread is inside Keras' `load_model` (a `.keras` file,
+    a directory or an Orbax checkpoint) while it builds the model from its
+    config. Keras then sets every weight of every layer from the file, and
+    fails the load if it cannot (`Layer._check_load_own_variables`).
+
+    Works around: Keras gives no sign that a build is part of a load; this
+    looks for its `saving_lib._model_from_config` on the call stack
+    (3.12-3.15). Elsewhere, or if that function is renamed, it says False
+    and the weights are drawn as in any build."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if (
+            code.co_name == "_model_from_config"
+            and frame.f_globals.get("__name__") == "keras.src.saving.saving_lib"
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def retrack_variables(model):
     """On torch, rebuilds each layer's `torch_params` from its current
     variables, as `Model.quantize` does after converting layers

@@ -10,6 +10,8 @@ checkpoint" in benchmarks/RESULTS.md). Under `placeholders()`,
 no draw and no program. `draw_unset` then draws the real values of the
 weights the checkpoint did not set (a new adapter, a pooler a checkpoint
 lacks) and gives the layers their real initializers back.
+`build_for_load` does the same for the builds within Keras' `load_model`,
+which then sets every weight from the file.
 """
 
 import contextlib
@@ -105,3 +107,17 @@ def draw_unset(model, set_paths, made):
             f"{model.name}: placeholders made {expected} weights but {found} were "
             "found on their layers; some would keep zeros"
         )
+
+
+def build_for_load(build):
+    """`build()`, the model it returns built under `placeholders()` when
+    this thread is inside Keras' `load_model` (which sets every weight
+    after, and fails the load if it cannot): the layers get their real
+    initializers back at once, so the model draws as any other in a later
+    build. Elsewhere, and within an outer `placeholders()`, just `build()`."""
+    if getattr(_STATE, "made", None) is not None or not keras_internals.loading_saved_model():
+        return build()
+    with placeholders() as made:
+        model = build()
+    draw_unset(model, [variable.path for variable in model.weights], made)
+    return model

@@ -11,7 +11,13 @@ from keras import ops
 
 from kbert.backend import jax_compile, keras_internals
 from kbert.backend.ops import blocks_in_loop
-from kbert.layers import BertEmbeddings, Pooler, TransformerEncoderBlock, canonical_activation
+from kbert.layers import (
+    BertEmbeddings,
+    Pooler,
+    TransformerEncoderBlock,
+    canonical_activation,
+    initializers,
+)
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import batching, preset_io
 from kbert.presets.architectures import architecture_config
@@ -402,11 +408,15 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        quantized = config.pop("quantized_layers", None)
-        if isinstance(config.get("dtype"), dict):
-            config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])
-        return apply_quantization(cls(**config), quantized, "the backbone config")
+        def build():
+            inner = dict(config)
+            quantized = inner.pop("quantized_layers", None)
+            if isinstance(inner.get("dtype"), dict):
+                inner["dtype"] = keras.saving.deserialize_keras_object(inner["dtype"])
+            return apply_quantization(cls(**inner), quantized, "the backbone config")
+
+        # within keras.saving.load_model: no draws for the weights it sets
+        return initializers.build_for_load(build)
 
     @classmethod
     def load_from_preset_dir(cls, directory, load_weights=True, **overrides):

@@ -19,6 +19,7 @@ import math
 import keras
 from keras import ops
 
+from kbert.layers import initializers
 from kbert.models.backbone import BertBackbone
 from kbert.models.classifier import BertClassifier
 from kbert.models.pretrainer import _PreTrainingTask, masked_lm_loss
@@ -187,9 +188,13 @@ class _Forward(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        config["model"] = keras.saving.deserialize_keras_object(config["model"])
-        return cls(**config)
+        def build():
+            inner = dict(config)
+            inner["model"] = keras.saving.deserialize_keras_object(inner["model"])
+            return cls(**inner)
+
+        # within keras.saving.load_model: no draws for the weights it sets
+        return initializers.build_for_load(build)
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -412,9 +417,7 @@ class BertDistiller(Task):
         if pairs and t_backbone.hidden_dim != s_backbone.hidden_dim:
             projection = keras.layers.Dense(
                 t_backbone.hidden_dim,
-                kernel_initializer=keras.initializers.TruncatedNormal(
-                    stddev=s_backbone.initializer_range
-                ),
+                kernel_initializer=initializers.truncated_normal(s_backbone.initializer_range),
                 dtype=s_backbone.get_layer("embeddings").dtype_policy,
                 name="hidden_projection",
             )
@@ -468,10 +471,14 @@ class BertDistiller(Task):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        for role in ("teacher", "student"):
-            config[role] = keras.saving.deserialize_keras_object(config[role])
-        return cls(**config)
+        def build():
+            inner = dict(config)
+            for role in ("teacher", "student"):
+                inner[role] = keras.saving.deserialize_keras_object(inner[role])
+            return cls(**inner)
+
+        # within keras.saving.load_model: no draws for the weights it sets
+        return initializers.build_for_load(build)
 
     @property
     def metrics(self):

@@ -12,6 +12,7 @@ import numpy as np
 from kbert import backend
 from kbert.backend import jax_cache, jax_compile, keras_internals
 from kbert.backend import tensorflow as tf_backend
+from kbert.layers import initializers
 from kbert.layers.adapters import train_only_adapters
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import batching, preset_io, raw_text
@@ -73,9 +74,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         x = keras.layers.Dropout(dropout, dtype=policy, name="classifier_dropout")(features)
         logits = keras.layers.Dense(
             num_classes,
-            kernel_initializer=keras.initializers.TruncatedNormal(
-                stddev=backbone.initializer_range
-            ),
+            kernel_initializer=initializers.truncated_normal(backbone.initializer_range),
             dtype=policy,
             name="logits",
         )(x)
@@ -96,12 +95,16 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
-        if config.get("preprocessor") is not None:
-            config["preprocessor"] = keras.saving.deserialize_keras_object(config["preprocessor"])
-        quantized = config.pop("quantized_layers", None)
-        return apply_quantization(cls(**config), quantized, "the task config")
+        def build():
+            inner = dict(config)
+            inner["backbone"] = keras.saving.deserialize_keras_object(inner["backbone"])
+            if inner.get("preprocessor") is not None:
+                inner["preprocessor"] = keras.saving.deserialize_keras_object(inner["preprocessor"])
+            quantized = inner.pop("quantized_layers", None)
+            return apply_quantization(cls(**inner), quantized, "the task config")
+
+        # within keras.saving.load_model: no draws for the weights it sets
+        return initializers.build_for_load(build)
 
     def head_weight_paths(self):
         backbone_paths = {v.path for v in self.backbone.weights}

@@ -67,6 +67,27 @@ def test_private_methods_have_the_expected_signatures():
     assert parameters(optimizer._use_weight_decay) == ["self", "variable"]
 
 
+def test_a_build_within_load_model_is_seen_as_one(tmp_path, monkeypatch):
+    """`loading_saved_model` finds Keras' `saving_lib._model_from_config` on
+    the stack during `load_model`, and nowhere else."""
+    from keras.src.saving import saving_lib
+
+    assert parameters(saving_lib._model_from_config)[0] == "config_json"
+    seen = []
+    original = kbert.BertBackbone.from_config.__func__
+
+    def recording(cls, config):
+        seen.append(keras_internals.loading_saved_model())
+        return original(cls, config)
+
+    monkeypatch.setattr(kbert.BertBackbone, "from_config", classmethod(recording))
+    backbone = kbert.BertBackbone(**TINY)
+    backbone.save(tmp_path / "backbone.keras")
+    keras.saving.load_model(tmp_path / "backbone.keras")
+    kbert.BertBackbone.from_config(backbone.get_config())
+    assert seen == [True, False]
+
+
 def test_private_state_of_a_compiled_model_and_its_optimizer():
     model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=2)
     model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])

@@ -131,3 +131,67 @@ def test_placeholders_only_within_and_on_this_thread():
     assert isinstance(seen["here"], initializers.Placeholder)
     assert isinstance(seen["other"], keras.initializers.TruncatedNormal)
     assert isinstance(seen["after"], keras.initializers.TruncatedNormal)
+
+
+def _assert_same_weights(a, b):
+    assert [w.path for w in a.weights] == [w.path for w in b.weights]
+    for x, y in zip(a.weights, b.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(x.numpy()), np.asarray(y.numpy()), x.path)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "int8"])
+def test_load_model_draws_none_and_sets_every_weight(tmp_path, draws, quantized):
+    """keras.saving.load_model sets every weight from the file (or fails):
+    the build within it draws nothing, and the layers hold their real
+    initializers after."""
+    keras.utils.set_random_seed(1)
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=3)
+    if quantized:
+        model.quantize("int8")
+    model.save(tmp_path / "model.keras")
+    del draws[:]
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert draws == []
+    _assert_same_weights(model, loaded)
+    held = _initializers(loaded)
+    assert any(isinstance(i, keras.initializers.TruncatedNormal) for _, _, i in held)
+    assert not [p for p, n, i in held if isinstance(i, initializers.Placeholder)]
+
+
+def test_a_build_outside_a_load_still_draws(draws):
+    """from_config and clone_model give freshly drawn weights, as before."""
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=3)
+    del draws[:]
+    fresh = kbert.BertClassifier.from_config(model.get_config())
+    assert len(draws) == 3 + 4 * TINY["num_layers"] + 2  # the backbone's and the logits'
+    clone = keras.models.clone_model(model)
+    assert len(draws) == 2 * (3 + 4 * TINY["num_layers"] + 2)
+    for other in (fresh, clone):
+        kernel = next(w for w in other.weights if "pooler" in w.path and len(w.shape) == 2)
+        assert 0.01 < np.asarray(kernel.numpy()).std() < 0.03
+
+
+def test_a_file_missing_a_weight_fails_the_load(tmp_path):
+    """The guarantee the build within a load relies on: Keras refuses a
+    file that does not set every weight, so no placeholder zeros survive."""
+    import zipfile
+
+    import h5py
+
+    model = kbert.BertClassifier(kbert.BertBackbone(**TINY), num_classes=3)
+    model.save(tmp_path / "model.keras")
+    with zipfile.ZipFile(tmp_path / "model.keras") as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    weights = tmp_path / "model.weights.h5"
+    weights.write_bytes(members["model.weights.h5"])
+    with h5py.File(weights, "r+") as f:
+        found = []
+        f.visititems(lambda name, item: found.append(name) if name.endswith("vars/0") else None)
+        pooler = next(name for name in found if "pooler" in name)
+        del f[pooler]
+    members["model.weights.h5"] = weights.read_bytes()
+    with zipfile.ZipFile(tmp_path / "broken.keras", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    with pytest.raises(ValueError, match="could not be loaded"):
+        keras.saving.load_model(tmp_path / "broken.keras")

@@ -48,9 +48,9 @@ from kbert.training.distribution import barrier, process_index
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, prog=None):
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     data = p.add_argument_group("data")
     data.add_argument(
@@ -384,8 +384,10 @@ def plot(args):
     return path
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None, prog=None):
+    """Pre-trains with the command-line arguments `argv`; `prog` names the
+    command in usage and errors (the script's name by default)."""
+    args = parse_args(argv, prog)
     keras.utils.set_random_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     started = time.time()

@@ -119,8 +119,8 @@ def pretrain(argv):
             file=sys.stderr,
         )
         return 2
-    sys.argv = [script] + list(argv)
-    runpy.run_path(script, run_name="__main__")
+    example = runpy.run_path(script, run_name="kbert_pretrain")
+    example["main"](list(argv), prog="kbert pretrain")
     return 0
 
 

@@ -57,6 +57,18 @@ def test_help_and_presets_import_no_keras_or_backend():
     assert report["heavy"] == []
 
 
+def test_pretrain_names_itself_kbert_pretrain():
+    """`kbert pretrain` runs examples/pretrain.py, whose usage and errors
+    name the command the user typed."""
+    result = _python("-m", "kbert_cli", "pretrain", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: kbert pretrain ")
+    assert "--corpus" in result.stdout
+    result = _python("-m", "kbert_cli", "pretrain", "--no-such-option")
+    assert result.returncode == 2
+    assert "kbert pretrain: error: unrecognized arguments: --no-such-option" in result.stderr
+
+
 def test_presets_lists_the_registered_names():
     result = _python("-m", "kbert_cli", "presets")
     assert result.returncode == 0, result.stderr

@@ -564,6 +564,15 @@ def export_to_huggingface(model, directory, preprocessor=None):
     name = type(model).__name__
     if name not in HF_ARCHITECTURES:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
+    from kbert.layers.quantization import quantized_layers
+
+    quantized = quantized_layers(model)
+    if quantized:
+        raise ValueError(
+            f"{model.name} has quantized layers ({sorted(quantized)[:3]}...): a Hugging Face "
+            "BERT holds float weights; export the float model (before `quantize`), and "
+            "quantize after loading it there"
+        )
     backbone = model if name == "BertBackbone" else model.backbone
     albert = is_albert_style(backbone)
     task = getattr(model, "sentence_task", None)

@@ -25,6 +25,7 @@ import numpy as np
 from kbert import backend as kbert_backend
 from kbert.backend.ops import padded_blocks
 from kbert.export.process import in_tensorflow
+from kbert.layers.quantization import quantized_layers
 
 FORMATS = ("tf_saved_model", "onnx")
 
@@ -116,7 +117,11 @@ def _export_model(model, filepath, format="tf_saved_model", verbose=None, **kwar
             f"ONNX export needs a float32 model, {model.name} computes in {dtype}; rebuild "
             "it with dtype='float32' (e.g. from_preset(..., dtype='float32'))"
         )
-    if backend != "tensorflow" and not (format == "onnx" and backend == "torch"):
+    # torch.export traces an int8 layer's on-the-fly input quantization into
+    # a graph ONNX Runtime rejects (a squeeze of a non-unit axis): a
+    # quantized model exports from a TensorFlow-backend process, as on JAX
+    quantized = bool(quantized_layers(model))
+    if backend != "tensorflow" and not (format == "onnx" and backend == "torch" and not quantized):
         # JAX: the SavedModel's XlaCallModule (TensorFlow 2.21) cannot
         # shape-refine the StableHLO composite JAX emits for erf (exact
         # GELU) under dynamic shapes, and jax2onnx cannot trace Keras'

@@ -450,8 +450,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 "(a task model's backbone is `model.backbone`)"
             )
         layers = list(layers)
-        if not layers or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        if not layers or not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) for i in layers
+        ):
             raise ValueError(f"layers must be a non-empty list of block indices, got {layers!r}")
+        layers = [int(i) for i in layers]
         bad = [i for i in layers if not 0 <= i < teacher.num_layers]
         if bad:
             last = teacher.num_layers - 1

@@ -15,8 +15,10 @@ so any backbone serves as it is.
 """
 
 import math
+import numbers
 
 import keras
+import numpy as np
 from keras import ops
 
 from kbert.layers import initializers
@@ -27,6 +29,7 @@ from kbert.models.question_answerer import BertQuestionAnswerer
 from kbert.models.task import Task
 from kbert.models.token_classifier import BertTokenClassifier
 from kbert.training import distillation
+from kbert.utils import checks
 
 # model family -> what its head gives: "backbone" none, "mlm" MLM logits on
 # mask_positions, "sequence" / "token" / "span" task logits.
@@ -52,6 +55,15 @@ def _family(model, role):
 
 def _backbone_of(model):
     return model if isinstance(model, BertBackbone) else model.backbone
+
+
+def _is_symbolic(value):
+    """A tensor or dataset element that has no host values to check."""
+    return not isinstance(value, (np.ndarray, list, tuple, numbers.Number))
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def student_from_teacher(teacher_backbone, layers=(0, 2, 4), name=None):
@@ -284,6 +296,9 @@ class BertDistiller(Task):
     (`ce_loss`, `mlm_loss`, ...). Only the student (and the projection)
     train; `distiller.student` is the model to keep.
 
+    Building the distiller freezes the teacher (`teacher.trainable` becomes
+    False); set it back to True to fine-tune the teacher itself again.
+
     Args:
         teacher: a `BertBackbone` or kbert task model (frozen here).
         student: a model of the teacher's kind, same vocabulary.
@@ -329,8 +344,8 @@ class BertDistiller(Task):
                 f"teacher is a {type(teacher).__name__} and student a {type(student).__name__}; "
                 "distil between models of one kind (build the student with the teacher's class)"
             )
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if not _is_number(temperature) or not temperature > 0:
+            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
         alphas = dict(
             ce=alpha_ce,
             mlm=alpha_mlm,
@@ -340,9 +355,27 @@ class BertDistiller(Task):
             attention=alpha_attention,
         )
         for loss, value in alphas.items():
-            if not isinstance(value, (int, float)) or value < 0:
+            if not _is_number(value) or value < 0:
                 raise ValueError(f"alpha_{loss} must be a number >= 0, got {value!r}")
+        alphas = {loss: float(value) for loss, value in alphas.items()}
         t_backbone, s_backbone = _backbone_of(teacher), _backbone_of(student)
+        if t_backbone is s_backbone:
+            raise ValueError(
+                "teacher and student are the same model (or share a backbone); the student "
+                "needs its own weights: build it with student_from_teacher or from a preset"
+            )
+        # inputs are checked against the student: the teacher must take them too
+        for limit, meaning in (
+            ("type_vocab_size", "segment ids"),
+            ("max_sequence_length", "tokens per row"),
+        ):
+            if getattr(t_backbone, limit) < getattr(s_backbone, limit):
+                raise ValueError(
+                    f"the teacher takes fewer {meaning} ({limit}={getattr(t_backbone, limit)}) "
+                    f"than the student ({getattr(s_backbone, limit)}), so inputs the student "
+                    f"takes could break the teacher; build the student with {limit} <= "
+                    "the teacher's (student_from_teacher keeps it)"
+                )
         if t_backbone.vocabulary_size != s_backbone.vocabulary_size:
             raise ValueError(
                 f"teacher vocabulary ({t_backbone.vocabulary_size}) and student vocabulary "
@@ -357,6 +390,12 @@ class BertDistiller(Task):
         t_layers, s_layers = t_backbone.num_layers, s_backbone.num_layers
         if layer_map is None:
             layer_map = distillation.default_layer_map(t_layers, s_layers)
+        layer_map = list(layer_map)
+        if not all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
+            for i in layer_map
+        ):
+            raise ValueError(f"layer_map must be a list of int block numbers, got {layer_map!r}")
         layer_map = [int(i) for i in layer_map]
         if len(layer_map) != s_layers or not all(1 <= i <= t_layers for i in layer_map):
             raise ValueError(
@@ -446,6 +485,41 @@ class BertDistiller(Task):
         self.pairs = pairs
         self.score_pairs = score_pairs
         self.loss_trackers = {k: keras.metrics.Mean(name=f"{k}_loss") for k in active}
+
+    def check_targets(self, y):
+        """The student's label checks (class ids, regression scores), MLM
+        targets' ids against the vocabulary, and answer positions (a
+        `(start, end)` pair is taken as the two positions)."""
+        if self.family == "sequence":
+            return self.student.check_targets(y)
+        if self.family == "span" and isinstance(y, (tuple, list)) and len(y) == 2:
+            y = {"start_positions": y[0], "end_positions": y[1]}
+        if self.family == "span" and isinstance(y, dict):
+            length = self.backbone.max_sequence_length
+            return {
+                key: checks.check_class_ids(
+                    y[key], length, kind="answer", meaning="token positions"
+                )
+                if key in ("start_positions", "end_positions") and not _is_symbolic(y[key])
+                else y[key]
+                for key in y
+            }
+        if self.family == "mlm" and isinstance(y, dict) and "mask_ids" in y:
+            if not _is_symbolic(y["mask_ids"]):
+                checks.check_class_ids(
+                    y["mask_ids"],
+                    self.backbone.vocabulary_size,
+                    kind="masked-LM",
+                    meaning="token ids",
+                )
+        return None
+
+    def save_to_preset(self, preset_dir, preprocessor=None):
+        raise ValueError(
+            "a BertDistiller holds two models and is not a preset; save the model to keep: "
+            "`distiller.student.save_to_preset(directory)` (or the whole distiller with "
+            "`distiller.save('distiller.keras')`)"
+        )
 
     @property
     def token_targets(self):

@@ -16,7 +16,11 @@ import keras
 from kbert.convert import huggingface, keras_hub, tf_checkpoint
 from kbert.export import export_model
 from kbert.layers import initializers
-from kbert.layers.quantization import apply_quantization, quantized_layers_config
+from kbert.layers.quantization import (
+    apply_quantization,
+    quantized_layers,
+    quantized_layers_config,
+)
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
@@ -91,6 +95,18 @@ class PresetMixin:
                 write beside the weights, for a backbone (a task writes the
                 preprocessor attached to it).
         """
+        unsupported = sorted(
+            {
+                mode
+                for mode in quantized_layers(self).values()
+                if not mode.startswith(("int8", "float8"))
+            }
+        )
+        if unsupported:
+            raise ValueError(
+                f"a preset holds float, int8 or float8 layers; this model has {unsupported} "
+                "layers: save it with model.save('model.keras'), which keeps them"
+            )
         attached = getattr(self, "preprocessor", None)
         if preprocessor is not None and attached is not None and preprocessor is not attached:
             raise ValueError(

@@ -41,6 +41,13 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         return self._backbone
 
     def _set_backbone(self, backbone, preprocessor=None):
+        length = getattr(preprocessor, "sequence_length", None)
+        if length is not None and length > backbone.max_sequence_length:
+            raise ValueError(
+                f"the preprocessor packs {length} tokens per row but the backbone takes at most "
+                f"max_sequence_length={backbone.max_sequence_length}; build the preprocessor "
+                f"with sequence_length <= {backbone.max_sequence_length}"
+            )
         self._backbone = backbone
         self.preprocessor = preprocessor
 

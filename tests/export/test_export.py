@@ -272,6 +272,26 @@ def test_text_model_matches_predict_on_raw_strings(tmp_path):
         assert got["qa/token_ends"][row][inside].tolist() == ends[:n].tolist(), context
 
 
+@pytest.mark.large
+def test_int8_classifier_onnx_matches_predict(tmp_path):
+    """An int8-quantized classifier to ONNX on every backend (torch exports
+    it from a TensorFlow-backend process: torch.export's graph of the
+    on-the-fly input quantization does not load in ONNX Runtime): logits
+    within 1e-4 of the quantized model's `predict`."""
+    model = kbert.BertClassifier(backbone(), num_classes=3)
+    model.quantize("int8")
+    path = str(tmp_path / "int8.onnx")
+    export_model(model, path, format="onnx", verbose=False)
+    x = model_inputs(3, 12, seed=3)
+    np.savez(tmp_path / "x.npz", **x)
+    got = run_without_kbert(
+        [{"id": "int8", "kind": "onnx", "path": path, "inputs": "x.npz"}], str(tmp_path)
+    )
+    np.testing.assert_allclose(
+        got["int8/output_0"], np.asarray(model.predict(x, verbose=0)), atol=1e-4, rtol=0
+    )
+
+
 def test_errors_name_the_fix(tmp_path):
     model = kbert.BertClassifier(backbone(), 2)
     with pytest.raises(ValueError, match="no preprocessor.*attach one"):

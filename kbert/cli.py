@@ -46,6 +46,11 @@ def create_pretraining_data(args):
 
 
 def check_pretraining_data(args):
+    if not os.path.isdir(args.directory):
+        raise ValueError(
+            f"{args.directory} is not a directory; pass the output directory of "
+            "`kbert create-pretraining-data`"
+        )
     print(json.dumps(check_directory(args.directory), indent=2))
     return 0
 

@@ -131,3 +131,9 @@ def test_create_pretraining_data_with_sentence_order(tmp_path, capsys):
     assert "sop_swapped_share" in json.dumps(report) and "nsp_random_share" not in json.dumps(
         report
     )
+
+
+def test_check_pretraining_data_names_a_missing_directory(tmp_path, capsys):
+    code = kbert_cli.main(["check-pretraining-data", str(tmp_path / "missing")])
+    assert code != 0
+    assert "is not a directory; pass the output directory of" in capsys.readouterr().err

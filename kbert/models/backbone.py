@@ -466,6 +466,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 "from its layers is that block again; build the student with fewer "
                 "num_layers and copy the weights instead"
             )
+        if config.get("quantized_layers"):
+            raise ValueError(
+                "the teacher has quantized layers, whose weights a float student cannot "
+                "take; distil from the float teacher, and quantize the student after"
+            )
         config.update(num_layers=len(layers), output_hidden_states=False)
         config["name"] = name or f"{teacher.name}_student"
         student = cls.from_config(config)

@@ -130,3 +130,10 @@ def test_an_int4_model_is_refused_as_a_preset_and_saves_as_keras(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(loaded.predict(x, verbose=0)), np.asarray(model.predict(x, verbose=0))
     )
+
+
+def test_a_student_from_a_quantized_teacher_names_the_order():
+    teacher = _backbone(2)
+    teacher.quantize("int8")
+    with pytest.raises(ValueError, match="quantize the student after"):
+        student_from_teacher(teacher, [0])

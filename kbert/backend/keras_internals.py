@@ -29,23 +29,30 @@ def flatten_layers(layer):
 
 
 def loading_saved_model():
-    """Whether this thread is inside Keras' `load_model` (a `.keras` file,
-    a directory or an Orbax checkpoint) while it builds the model from its
-    config. Keras then sets every weight of every layer from the file, and
-    fails the load if it cannot (`Layer._check_load_own_variables`).
+    """Whether this thread is inside Keras' `load_model` of a `.keras` file
+    or directory while it builds the model from its config. Keras then
+    sets every weight of every layer from the file, and fails the load if
+    it cannot (`Layer._check_load_own_variables`, `_raise_loading_failure`).
+    Not for Orbax checkpoints: their `set_state_tree` skips, silently,
+    weights it finds under another key.
 
     Works around: Keras gives no sign that a build is part of a load; this
-    looks for its `saving_lib._model_from_config` on the call stack
-    (3.12-3.15). Elsewhere, or if that function is renamed, it says False
-    and the weights are drawn as in any build."""
+    looks on the call stack for `saving_lib._model_from_config` called by
+    `_load_model_from_fileobj` or `_load_model_from_dir` (3.12-3.15).
+    Elsewhere, or if those are renamed, it says False and the weights are
+    drawn as in any build."""
     frame = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
         if (
-            code.co_name == "_model_from_config"
+            frame.f_code.co_name == "_model_from_config"
             and frame.f_globals.get("__name__") == "keras.src.saving.saving_lib"
         ):
-            return True
+            caller = frame.f_back
+            return (
+                caller is not None
+                and caller.f_globals.get("__name__") == "keras.src.saving.saving_lib"
+                and caller.f_code.co_name in ("_load_model_from_fileobj", "_load_model_from_dir")
+            )
         frame = frame.f_back
     return False
 

@@ -568,8 +568,9 @@ def export_to_huggingface(model, directory, preprocessor=None):
 
     quantized = quantized_layers(model)
     if quantized:
+        named = ", ".join(sorted(quantized)[:3]) + (", ..." if len(quantized) > 3 else "")
         raise ValueError(
-            f"{model.name} has quantized layers ({sorted(quantized)[:3]}...): a Hugging Face "
+            f"{model.name} has {len(quantized)} quantized layers ({named}): a Hugging Face "
             "BERT holds float weights; export the float model (before `quantize`), and "
             "quantize after loading it there"
         )

@@ -57,13 +57,26 @@ def _backbone_of(model):
     return model if isinstance(model, BertBackbone) else model.backbone
 
 
-def _is_symbolic(value):
-    """A tensor or dataset element that has no host values to check."""
-    return not isinstance(value, (np.ndarray, list, tuple, numbers.Number))
+def _on_host(value):
+    """Targets given as NumPy arrays, lists or numbers, which are checked
+    here; tensors and dataset elements are left to the loss."""
+    return isinstance(value, (np.ndarray, list, tuple, numbers.Number))
 
 
 def _is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _scalar(value):
+    """A 0-d array as its Python number; anything else as it is."""
+    return value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
+
+
+def _answer_targets(y):
+    """A `(start, end)` pair as the answer-position dict."""
+    if isinstance(y, (tuple, list)) and len(y) == 2:
+        return {"start_positions": y[0], "end_positions": y[1]}
+    return y
 
 
 def student_from_teacher(teacher_backbone, layers=(0, 2, 4), name=None):
@@ -296,8 +309,11 @@ class BertDistiller(Task):
     (`ce_loss`, `mlm_loss`, ...). Only the student (and the projection)
     train; `distiller.student` is the model to keep.
 
-    Building the distiller freezes the teacher (`teacher.trainable` becomes
-    False); set it back to True to fine-tune the teacher itself again.
+    Building the distiller freezes the teacher (`teacher.trainable` and
+    each of its weights become False); to fine-tune the teacher itself
+    again, set `teacher.trainable = True` (a task model built with
+    `freeze_backbone` then needs `teacher.set_backbone_training(...)`
+    again).
 
     Args:
         teacher: a `BertBackbone` or kbert task model (frozen here).
@@ -344,6 +360,7 @@ class BertDistiller(Task):
                 f"teacher is a {type(teacher).__name__} and student a {type(student).__name__}; "
                 "distil between models of one kind (build the student with the teacher's class)"
             )
+        temperature = _scalar(temperature)
         if not _is_number(temperature) or not temperature > 0:
             raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
         alphas = dict(
@@ -354,6 +371,7 @@ class BertDistiller(Task):
             hidden=alpha_hidden,
             attention=alpha_attention,
         )
+        alphas = {loss: _scalar(value) for loss, value in alphas.items()}
         for loss, value in alphas.items():
             if not _is_number(value) or value < 0:
                 raise ValueError(f"alpha_{loss} must be a number >= 0, got {value!r}")
@@ -364,18 +382,6 @@ class BertDistiller(Task):
                 "teacher and student are the same model (or share a backbone); the student "
                 "needs its own weights: build it with student_from_teacher or from a preset"
             )
-        # inputs are checked against the student: the teacher must take them too
-        for limit, meaning in (
-            ("type_vocab_size", "segment ids"),
-            ("max_sequence_length", "tokens per row"),
-        ):
-            if getattr(t_backbone, limit) < getattr(s_backbone, limit):
-                raise ValueError(
-                    f"the teacher takes fewer {meaning} ({limit}={getattr(t_backbone, limit)}) "
-                    f"than the student ({getattr(s_backbone, limit)}), so inputs the student "
-                    f"takes could break the teacher; build the student with {limit} <= "
-                    "the teacher's (student_from_teacher keeps it)"
-                )
         if t_backbone.vocabulary_size != s_backbone.vocabulary_size:
             raise ValueError(
                 f"teacher vocabulary ({t_backbone.vocabulary_size}) and student vocabulary "
@@ -391,10 +397,7 @@ class BertDistiller(Task):
         if layer_map is None:
             layer_map = distillation.default_layer_map(t_layers, s_layers)
         layer_map = list(layer_map)
-        if not all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_))
-            for i in layer_map
-        ):
+        if not all(_is_number(i) and float(i).is_integer() for i in layer_map):
             raise ValueError(f"layer_map must be a list of int block numbers, got {layer_map!r}")
         layer_map = [int(i) for i in layer_map]
         if len(layer_map) != s_layers or not all(1 <= i <= t_layers for i in layer_map):
@@ -487,32 +490,45 @@ class BertDistiller(Task):
         self.loss_trackers = {k: keras.metrics.Mean(name=f"{k}_loss") for k in active}
 
     def check_targets(self, y):
-        """The student's label checks (class ids, regression scores), MLM
-        targets' ids against the vocabulary, and answer positions (a
-        `(start, end)` pair is taken as the two positions)."""
-        if self.family == "sequence":
+        """The label checks of the student's task (class ids, one per
+        example; regression scores), masked-LM ids against the vocabulary
+        where `mask_weights` counts them, and answer positions against
+        `max_sequence_length` (a `(start, end)` pair is taken as the two
+        positions). Host values only: tensors are left to the loss."""
+        if self.family == "sequence" and self.student.num_classes == 1:
             return self.student.check_targets(y)
-        if self.family == "span" and isinstance(y, (tuple, list)) and len(y) == 2:
-            y = {"start_positions": y[0], "end_positions": y[1]}
-        if self.family == "span" and isinstance(y, dict):
+        if self.family == "sequence":
+            if not _on_host(y):
+                return None
+            return checks.check_class_ids(np.asarray(y), self.student.num_classes, per_example=True)
+        if self.family == "span":
+            y = _answer_targets(y)
+            if not isinstance(y, dict):
+                return None
             length = self.backbone.max_sequence_length
             return {
-                key: checks.check_class_ids(
-                    y[key], length, kind="answer", meaning="token positions"
-                )
-                if key in ("start_positions", "end_positions") and not _is_symbolic(y[key])
-                else y[key]
-                for key in y
+                key: checks.check_class_ids(value, length, kind="answer", meaning="token positions")
+                if key in ("start_positions", "end_positions") and _on_host(value)
+                else value
+                for key, value in y.items()
             }
-        if self.family == "mlm" and isinstance(y, dict) and "mask_ids" in y:
-            if not _is_symbolic(y["mask_ids"]):
-                checks.check_class_ids(
-                    y["mask_ids"],
-                    self.backbone.vocabulary_size,
-                    kind="masked-LM",
-                    meaning="token ids",
-                )
+        if self.family == "mlm" and isinstance(y, dict) and _on_host(y.get("mask_ids")):
+            ids = np.asarray(y["mask_ids"])
+            weights = y.get("mask_weights")
+            if _on_host(weights) and np.shape(weights) == ids.shape:
+                ids = ids[np.asarray(weights) > 0]  # padded slots may hold anything
+            checks.check_class_ids(
+                ids, self.backbone.vocabulary_size, kind="masked-LM", meaning="token ids"
+            )
         return None
+
+    def input_limits(self):
+        """Inputs go to both models: the smaller of their limits."""
+        teacher, student = _backbone_of(self.teacher), _backbone_of(self.student)
+        return {
+            name: min(getattr(teacher, name), getattr(student, name))
+            for name in ("vocabulary_size", "type_vocab_size", "max_sequence_length")
+        }
 
     def save_to_preset(self, preset_dir, preprocessor=None):
         raise ValueError(
@@ -649,6 +665,7 @@ class BertDistiller(Task):
             )
 
         if self.family == "span":
+            y = _answer_targets(y)
             start = _weighted_mean(cross_entropy(y["start_positions"], logits[:, 0]), sample_weight)
             end = _weighted_mean(cross_entropy(y["end_positions"], logits[:, 1]), sample_weight)
             return (start + end) / 2.0

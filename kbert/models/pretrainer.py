@@ -33,8 +33,13 @@ def _masked_lm_sums(mask_ids, logits, mask_weights):
     # strided kernel that took 17 ms of a BERT-base-512 step on an H100).
     vocabulary = ops.shape(logits)[-1]
     weights = ops.reshape(ops.cast(mask_weights, "float32"), (-1,))
+    # padded slots (weight 0) may hold any id, e.g. -100: read as 0, which
+    # every backend's cross-entropy takes (no Python constant: on torch each
+    # is a host-to-device copy)
+    ids = ops.reshape(ops.cast(mask_ids, "int32"), (-1,))
+    ids = ops.where(ops.cast(weights, "bool"), ids, ops.zeros_like(ids))
     losses = keras.losses.sparse_categorical_crossentropy(
-        ops.reshape(ops.cast(mask_ids, "int32"), (-1,)),
+        ids,
         ops.reshape(ops.cast(logits, "float32"), (-1, vocabulary)),
         from_logits=True,
     )  # (B * P,)

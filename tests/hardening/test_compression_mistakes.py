@@ -32,14 +32,36 @@ def _classifier_distiller():
     return distiller
 
 
-def test_a_teacher_taking_fewer_segments_or_tokens_than_the_student_is_refused():
-    with pytest.raises(ValueError, match="teacher takes fewer segment ids.*type_vocab_size=2"):
-        kbert.BertDistiller(_backbone(type_vocab_size=2), _backbone(1, type_vocab_size=4))
-    longer = TINY["max_sequence_length"] * 2
-    with pytest.raises(ValueError, match="fewer tokens per row.*max_sequence_length"):
-        kbert.BertDistiller(_backbone(), _backbone(1, max_sequence_length=longer))
-    # a student taking less than the teacher is fine
-    kbert.BertDistiller(_backbone(type_vocab_size=4), _backbone(1, type_vocab_size=2))
+def test_inputs_are_checked_against_the_smaller_limits_of_teacher_and_student():
+    """A segment id or a length only the student takes would break the
+    teacher (NaN losses on JAX): refused on the host, naming the input."""
+    distiller = kbert.BertDistiller(_backbone(type_vocab_size=2), _backbone(1, type_vocab_size=4))
+    distiller.compile(learning_rate=1e-3)
+    with pytest.raises(ValueError, match="segment_ids.*3"):
+        distiller.fit(_inputs(segment=3), batch_size=2, verbose=0)
+    history = distiller.fit(_inputs(segment=1), batch_size=2, verbose=0).history
+    assert np.isfinite(history["loss"][0])
+    short = TINY["max_sequence_length"] // 2
+    distiller = kbert.BertDistiller(_backbone(max_sequence_length=short), _backbone(1))
+    distiller.compile(learning_rate=1e-3)
+    with pytest.raises(ValueError, match=f"max_sequence_length={short}"):
+        distiller.fit(_inputs(length=short + 2), batch_size=2, verbose=0)
+
+
+def test_masked_lm_targets_are_checked_where_weighted():
+    """Padded prediction slots (weight 0) may hold any id, e.g. -100; a
+    counted slot outside the vocabulary is refused."""
+    teacher = kbert.BertMaskedLM(_backbone())
+    distiller = kbert.BertDistiller(teacher, kbert.BertMaskedLM(_backbone(1)))
+    distiller.compile(learning_rate=1e-3)
+    x = {**_inputs(), "mask_positions": np.array([[1, 2]] * 4, "int32")}
+    weights = np.array([[1, 0]] * 4, "float32")
+    padded = {"mask_ids": np.array([[7, -100]] * 4, "int32"), "mask_weights": weights}
+    history = distiller.fit(x, padded, batch_size=2, verbose=0).history
+    assert np.isfinite(history["mlm_loss"][0])
+    outside = {"mask_ids": np.array([[TINY["vocabulary_size"], 3]] * 4, "int32")}
+    with pytest.raises(ValueError, match=f"label {TINY['vocabulary_size']} is outside"):
+        distiller.fit(x, {**outside, "mask_weights": weights}, batch_size=2, verbose=0)
 
 
 def test_the_same_model_as_teacher_and_student_is_refused():
@@ -91,7 +113,11 @@ def test_distiller_arguments_take_numpy_numbers_and_refuse_other_types():
         kbert.BertDistiller(_backbone(4), _backbone(2), temperature="2")
     with pytest.raises(ValueError, match="layer_map must be a list of int"):
         kbert.BertDistiller(_backbone(4), _backbone(2), layer_map=[1.9, 3.7])
-    kbert.BertDistiller(_backbone(4), _backbone(2), layer_map=np.array([2, 4]))
+    for layer_map in (np.array([2, 4]), np.linspace(2, 4, 2)):
+        distiller = kbert.BertDistiller(_backbone(4), _backbone(2), layer_map=layer_map)
+        assert distiller.layer_map == [2, 4]
+    distiller = kbert.BertDistiller(_backbone(4), _backbone(2), temperature=np.array(3.0))
+    assert distiller.temperature == 3.0
     assert student_from_teacher(_backbone(4), np.arange(0, 4, 2)).num_layers == 2
 
 
@@ -137,3 +163,15 @@ def test_a_student_from_a_quantized_teacher_names_the_order():
     teacher.quantize("int8")
     with pytest.raises(ValueError, match="quantize the student after"):
         student_from_teacher(teacher, [0])
+
+
+def test_masked_lm_loss_ignores_the_ids_of_padded_slots():
+    from kbert.models.pretrainer import masked_lm_loss
+
+    logits = np.random.default_rng(0).normal(size=(2, 3, 11)).astype("float32")
+    weights = np.array([[1, 1, 0], [1, 0, 0]], "float32")
+    ids = np.array([[4, 2, 7], [9, 3, 1]], "int32")
+    padded = np.where(weights > 0, ids, -100).astype("int32")
+    expected = float(np.asarray(masked_lm_loss(ids, logits, weights)))
+    assert float(np.asarray(masked_lm_loss(padded, logits, weights))) == pytest.approx(expected)
+    assert np.isfinite(expected) and expected > 0

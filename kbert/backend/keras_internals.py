@@ -57,6 +57,18 @@ def loading_saved_model():
     return False
 
 
+def set_trainable(layer, value):
+    """`layer.trainable = value`, carried to its sublayers and variables
+    even when `layer.trainable` is `value` already.
+
+    Works around: on TensorFlow, Keras' tracking `__setattr__` skips the
+    assignment of the object an attribute already holds
+    (`KerasAutoTrackable.__setattr__`, 3.12-3.15), so the property's setter
+    does not run: a backbone rebuilt from a config that says
+    `trainable=False` kept every weight trainable when a task froze it."""
+    type(layer).trainable.fset(layer, bool(value))
+
+
 def retrack_variables(model):
     """On torch, rebuilds each layer's `torch_params` from its current
     variables, as `Model.quantize` does after converting layers

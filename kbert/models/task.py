@@ -19,6 +19,7 @@ from kbert.models import batching, preset_io, raw_text
 from kbert.models.backbone import BertBackbone
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.training import distribution
+from kbert.training.callbacks import NonFiniteLossError, ResumableCheckpoint
 from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
 from kbert.utils import checks
 
@@ -65,7 +66,7 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         if freeze_backbone == "adapters":
             train_only_adapters(self.backbone)
         else:
-            self.backbone.trainable = not freeze_backbone
+            keras_internals.set_trainable(self.backbone, not freeze_backbone)
         self.freeze_backbone = freeze_backbone
 
     @staticmethod
@@ -360,9 +361,20 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         # On torch: batches made on the host, copied without blocking by
         # kbert's step, which a GPU replays as a CUDA graph where it can.
         context = torch_step.fit_context(self) if backend.is_torch() else contextlib.nullcontext()
+        # a non-finite training loss ends fit with an error, unless a callback
+        # of the caller's deals with it (or the caller built the CallbackList)
+        given = a["callbacks"]
+        handled = isinstance(given, keras.callbacks.CallbackList) or any(
+            isinstance(c, _HANDLE_NON_FINITE) for c in keras.tree.flatten(given or [])
+        )
+        if not handled:
+            a["callbacks"] = jax_compile.with_callback(given, _StopOnNonFiniteLoss())
         with stack, context, _input_errors(), checks.inputs_checked_on_host():
             with keras_internals.jax_variables_kept_on_error(self):
-                return super().fit(**a)
+                history = super().fit(**a)
+        if not handled:
+            _raise_on_non_finite_loss(history)
+        return history
 
     def _data_parallel(self):
         """Whether batches are split between replicas: torch DDP, a
@@ -762,6 +774,36 @@ def _steps(x, batch_size, steps=None):
     if shape is not None and len(shape) and isinstance(shape[0], int):
         return -(-shape[0] // (batch_size or 32))
     return None
+
+
+class _StopOnNonFiniteLoss(keras.callbacks.Callback):
+    """Ends `fit` after an epoch whose training loss is NaN or inf (read
+    from the epoch's logs: no per-step synchronisation)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.isfinite(float(loss)):
+            keras_internals.callback_model(self).stop_training = True
+
+
+# callbacks that deal with a non-finite loss themselves
+_HANDLE_NON_FINITE = (keras.callbacks.TerminateOnNaN, ResumableCheckpoint)
+
+
+def _raise_on_non_finite_loss(history):
+    """A NonFiniteLossError naming the first epoch whose training loss was
+    NaN or inf (the error's `history` is the fit's)."""
+    losses = history.history.get("loss", []) if history is not None else []
+    for epoch, loss in zip(history.epoch if history is not None else (), losses):
+        if not np.isfinite(loss):
+            error = NonFiniteLossError(
+                f"the training loss was {loss} in epoch {epoch + 1}, and training stopped "
+                "there; the weights now hold NaN or inf (reload or rebuild the model). "
+                "Lower the learning rate, check targets and sample weights for huge or "
+                "non-finite values, or train in float32"
+            )
+            error.history = history
+            raise error
 
 
 def _bind(method, *args, **kwargs):

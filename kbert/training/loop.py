@@ -138,10 +138,13 @@ def fit_resumable(
                 verbose=verbose,
             )
     if saver.failed_step is not None:
+        last = latest_checkpoint(checkpoint_dir)
+        kept = (
+            f"The last good checkpoint is {last}" if last else "No checkpoint was saved before it"
+        )
         raise NonFiniteLossError(
-            f"loss became NaN/inf at step {saver.failed_step}; training stopped. The last good "
-            f"checkpoint is {latest_checkpoint(checkpoint_dir)} (lower the learning rate, check "
-            "the data, or use float32 / loss scaling)"
+            f"loss became NaN/inf at step {saver.failed_step}; training stopped. {kept} "
+            "(lower the learning rate, check the data, or use float32 / loss scaling)"
         )
     if saver.stopped_at is not None:
         print(

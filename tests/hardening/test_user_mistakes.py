@@ -269,3 +269,56 @@ def test_a_dataset_without_shuffle_gets_no_shuffle_warning(classifier):
         classifier.fit(data, verbose=0)
     with pytest.warns(UserWarning, match="shuffle=True"):  # asked for: Keras says it is ignored
         classifier.fit(data, shuffle=True, verbose=0)
+
+
+def test_a_diverged_fit_raises_naming_the_epoch_and_the_preset_is_not_written(classifier, tmp_path):
+    """A NaN training loss ends `fit` after its epoch with an error (the
+    History on the error), and `save_to_preset` refuses the NaN weights
+    that loading would refuse."""
+    classifier.compile(learning_rate=1e8)
+    with pytest.raises(kbert.training.NonFiniteLossError) as caught:
+        classifier.fit(TEXTS * 2, LABELS * 2, batch_size=4, epochs=4, verbose=0)
+    losses = caught.value.history.history["loss"]
+    # it stopped after the first epoch whose loss was not finite, and says which
+    assert not np.isfinite(losses[-1]) and np.all(np.isfinite(losses[:-1]))
+    assert f"in epoch {len(losses)}, and training stopped" in str(caught.value)
+    with pytest.raises(ValueError, match="holds NaN or inf"):
+        classifier.save_to_preset(tmp_path / "preset")
+    assert not (tmp_path / "preset" / "metadata.json").exists()
+
+
+def test_a_diverged_fit_with_terminate_on_nan_is_the_callbacks_to_handle(classifier):
+    classifier.compile(learning_rate=1e8)
+    callback = keras.callbacks.TerminateOnNaN()
+    history = classifier.fit(
+        TEXTS * 2, LABELS * 2, batch_size=4, epochs=3, verbose=0, callbacks=[callback]
+    )
+    assert not np.isfinite(history.history["loss"][-1])
+
+
+def test_a_frozen_backbone_stays_frozen_through_save_and_load(preprocessor, tmp_path):
+    """freeze_backbone=True survives a .keras round trip, from_config and a
+    preset (on TensorFlow the rebuilt backbone kept every weight trainable),
+    and the loaded model's optimizer state loads with it."""
+    model = kbert.BertClassifier(
+        _backbone(), num_classes=3, preprocessor=preprocessor, freeze_backbone=True
+    )
+    head = len(model.trainable_weights)
+    assert head == 2
+    model.compile(learning_rate=1e-3)
+    model.fit(TEXTS, LABELS, batch_size=2, epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    model.save_to_preset(tmp_path / "preset")
+    with warnings.catch_warnings():
+        # e.g. Keras' "Skipping variable loading for optimizer"
+        warnings.simplefilter("error", UserWarning)
+        loaded = keras.saving.load_model(tmp_path / "model.keras")
+    rebuilt = kbert.BertClassifier.from_config(model.get_config())
+    again = kbert.BertClassifier.from_preset(tmp_path / "preset", freeze_backbone=True)
+    for other in (loaded, rebuilt, again):
+        assert len(other.trainable_weights) == head
+        assert not any(v.trainable for v in other.backbone.weights)
+    before = [np.asarray(v.numpy()) for v in loaded.backbone.weights]
+    loaded.fit(TEXTS, LABELS, batch_size=2, epochs=1, verbose=0)
+    for value, variable in zip(before, loaded.backbone.weights):
+        np.testing.assert_array_equal(value, np.asarray(variable.numpy()))

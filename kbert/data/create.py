@@ -108,7 +108,7 @@ def create_pretraining_data(
             name = f"{os.path.splitext(os.path.basename(inputs[index]))[0]}-{index:05d}.tfrecord"
             with tf.io.TFRecordWriter(os.path.join(output_dir, name)) as writer:
                 for row in range(count):
-                    writer.write(_example(arrays, row).SerializeToString())
+                    writer.write(_example(arrays, row).SerializeToString(deterministic=True))
             files.append(
                 {"file": name, "source": os.path.basename(inputs[index]), "instances": count}
             )

@@ -57,7 +57,7 @@ def write_instances(instances, path, max_seq_length, max_predictions_per_seq, pa
     arrays = instances_to_arrays(instances, max_seq_length, max_predictions_per_seq, pad_id)
     with tf.io.TFRecordWriter(path) as writer:
         for row in range(len(instances)):
-            writer.write(_example(arrays, row).SerializeToString())
+            writer.write(_example(arrays, row).SerializeToString(deterministic=True))
     return len(instances)
 
 

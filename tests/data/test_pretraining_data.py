@@ -314,3 +314,40 @@ def test_documents_from_an_iterable():
     )
     assert docs == [["Cats and/or dogs live here.", "They sleep a lot."], ["One sentence.", "Two."]]
     assert report.documents == 2 and report.skipped_documents == 2 and report.sentences == 4
+
+
+def test_same_seed_is_byte_identical_across_processes(tokenizer, tmp_path):
+    """Each process orders protobuf's feature map its own way unless the
+    examples are serialized deterministically: two fresh processes, one seed,
+    the same bytes."""
+    import subprocess
+    import sys
+
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(tokenizer.vocabulary) + "\n", encoding="utf-8")
+    source = tmp_path / "part.txt"
+    lines = open(corpus("sherlock.txt"), encoding="utf-8-sig").read().splitlines()
+    source.write_text("\n".join(lines[500:1500]), encoding="utf-8")
+    code = (
+        "import sys\n"
+        "from kbert.data import MaskingConfig, create_pretraining_data\n"
+        "from kbert.tokenizers import BertTokenizer\n"
+        "create_pretraining_data([sys.argv[1]], BertTokenizer(sys.argv[2]), sys.argv[3], seed=3,"
+        " workers=1, dupe_factor=1, format='prose', progress=False,"
+        " masking=MaskingConfig(max_seq_length=64, max_predictions_per_seq=10))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    for out in ("a", "b"):
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(source), str(vocab), str(tmp_path / out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+    names = sorted(p.name for p in (tmp_path / "a").glob("*.tfrecord"))
+    assert names
+    for name in names:
+        assert filecmp.cmp(tmp_path / "a" / name, tmp_path / "b" / name, shallow=False)

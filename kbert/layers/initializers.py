@@ -10,11 +10,12 @@ checkpoint" in benchmarks/RESULTS.md). Under `placeholders()`,
 no draw and no program. `draw_unset` then draws the real values of the
 weights the checkpoint did not set (a new adapter, a pooler a checkpoint
 lacks) and gives the layers their real initializers back.
-`build_for_load` does the same for the builds within Keras' `load_model`,
-which then sets every weight from the file.
+`placeholders_when_loading` does the same for the builds within Keras'
+`load_model`, which then sets every weight from the file.
 """
 
 import contextlib
+import functools
 import threading
 
 import keras
@@ -109,15 +110,20 @@ def draw_unset(model, set_paths, made):
         )
 
 
-def build_for_load(build):
-    """`build()`, the model it returns built under `placeholders()` when
-    this thread is inside Keras' `load_model` (which sets every weight
-    after, and fails the load if it cannot): the layers get their real
-    initializers back at once, so the model draws as any other in a later
-    build. Elsewhere, and within an outer `placeholders()`, just `build()`."""
-    if getattr(_STATE, "made", None) is not None or not keras_internals.loading_saved_model():
-        return build()
-    with placeholders() as made:
-        model = build()
-    draw_unset(model, [variable.path for variable in model.weights], made)
-    return model
+def placeholders_when_loading(from_config):
+    """Decorates a model class's `from_config`: within Keras' `load_model`
+    (which sets every weight after, and fails the load if it cannot) the
+    model is built under `placeholders()`, and its layers get their real
+    initializers back at once, so that a later build draws as any other.
+    Elsewhere, and within an outer `placeholders()`, `from_config` as it is."""
+
+    @functools.wraps(from_config)
+    def wrapped(cls, config):
+        if getattr(_STATE, "made", None) is not None or not keras_internals.loading_saved_model():
+            return from_config(cls, config)
+        with placeholders() as made:
+            model = from_config(cls, config)
+        draw_unset(model, [variable.path for variable in model.weights], made)
+        return model
+
+    return wrapped

@@ -407,16 +407,13 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         }
 
     @classmethod
+    @initializers.placeholders_when_loading
     def from_config(cls, config):
-        def build():
-            inner = dict(config)
-            quantized = inner.pop("quantized_layers", None)
-            if isinstance(inner.get("dtype"), dict):
-                inner["dtype"] = keras.saving.deserialize_keras_object(inner["dtype"])
-            return apply_quantization(cls(**inner), quantized, "the backbone config")
-
-        # within keras.saving.load_model: no draws for the weights it sets
-        return initializers.build_for_load(build)
+        config = dict(config)
+        quantized = config.pop("quantized_layers", None)
+        if isinstance(config.get("dtype"), dict):
+            config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])
+        return apply_quantization(cls(**config), quantized, "the backbone config")
 
     @classmethod
     def load_from_preset_dir(cls, directory, load_weights=True, **overrides):

@@ -212,14 +212,11 @@ class _Forward(keras.layers.Layer):
         return config
 
     @classmethod
+    @initializers.placeholders_when_loading
     def from_config(cls, config):
-        def build():
-            inner = dict(config)
-            inner["model"] = keras.saving.deserialize_keras_object(inner["model"])
-            return cls(**inner)
-
-        # within keras.saving.load_model: no draws for the weights it sets
-        return initializers.build_for_load(build)
+        config = dict(config)
+        config["model"] = keras.saving.deserialize_keras_object(config["model"])
+        return cls(**config)
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -560,15 +557,12 @@ class BertDistiller(Task):
         }
 
     @classmethod
+    @initializers.placeholders_when_loading
     def from_config(cls, config):
-        def build():
-            inner = dict(config)
-            for role in ("teacher", "student"):
-                inner[role] = keras.saving.deserialize_keras_object(inner[role])
-            return cls(**inner)
-
-        # within keras.saving.load_model: no draws for the weights it sets
-        return initializers.build_for_load(build)
+        config = dict(config)
+        for role in ("teacher", "student"):
+            config[role] = keras.saving.deserialize_keras_object(config[role])
+        return cls(**config)
 
     @property
     def metrics(self):

@@ -12,7 +12,6 @@ import logging
 import os
 
 import keras
-import numpy as np
 
 from kbert.convert import huggingface, keras_hub, tf_checkpoint
 from kbert.export import export_model
@@ -108,13 +107,6 @@ class PresetMixin:
                 f"a preset holds float, int8 or float8 layers; this model has {unsupported} "
                 "layers: save it with model.save('model.keras'), which keeps them"
             )
-        for variable in self.weights:
-            value = np.asarray(variable.numpy())
-            if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
-                raise ValueError(
-                    f"weight {variable.path!r} holds NaN or inf (a diverged training?): not "
-                    "saved, since loading would refuse it"
-                )
         attached = getattr(self, "preprocessor", None)
         if preprocessor is not None and attached is not None and preprocessor is not attached:
             raise ValueError(

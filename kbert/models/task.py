@@ -102,17 +102,14 @@ class Task(keras_internals.TrainerShims, preset_io.PresetMixin, keras.Model):
         return config
 
     @classmethod
+    @initializers.placeholders_when_loading
     def from_config(cls, config):
-        def build():
-            inner = dict(config)
-            inner["backbone"] = keras.saving.deserialize_keras_object(inner["backbone"])
-            if inner.get("preprocessor") is not None:
-                inner["preprocessor"] = keras.saving.deserialize_keras_object(inner["preprocessor"])
-            quantized = inner.pop("quantized_layers", None)
-            return apply_quantization(cls(**inner), quantized, "the task config")
-
-        # within keras.saving.load_model: no draws for the weights it sets
-        return initializers.build_for_load(build)
+        config = dict(config)
+        config["backbone"] = keras.saving.deserialize_keras_object(config["backbone"])
+        if config.get("preprocessor") is not None:
+            config["preprocessor"] = keras.saving.deserialize_keras_object(config["preprocessor"])
+        quantized = config.pop("quantized_layers", None)
+        return apply_quantization(cls(**config), quantized, "the task config")
 
     def head_weight_paths(self):
         backbone_paths = {v.path for v in self.backbone.weights}

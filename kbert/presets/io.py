@@ -16,6 +16,7 @@ import logging
 import os
 
 import keras
+import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 
@@ -112,6 +113,12 @@ def save_weights_file(directory, name, layer, exclude=(), exact=False):
         for k, v in weights_dict(layer).items()
         if (k not in excluded if exact else not any(k.startswith(e) for e in exclude))
     }
+    for path, value in weights.items():
+        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+            raise ValueError(
+                f"weight {path!r} holds NaN or inf (a diverged training?): not saved, since "
+                "loading would refuse it"
+            )
     save_safetensors(weights, os.path.join(directory, name))
 
 

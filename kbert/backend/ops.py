@@ -25,33 +25,30 @@ computes what the generic path computes (tests compare them); each
   or successive masks. Kept values are scaled in float32 and rounded once.
 - everything else: `keras.random.dropout`.
 
-`fused_attention` computes softmax(QK^T * scale) V over the non-padding keys
-(or, given an attention mask (B, T, S), over the keys each query may see).
-- JAX on GPU, 16-bit inputs: cuDNN flash attention through
-  `jax.nn.dot_product_attention` with `key_value_seq_lengths` (the form
-  cuDNN accepts for padding); other masks are made that form by moving the
-  real keys first, so any mask is exact. Under `keras.distribution`
-  DataParallel the operands are pinned to batch shards; under other
-  distributions the XLA path is used.
-- torch: `scaled_dot_product_attention` on (B, N, T, D) views with a boolean
-  mask, and attention dropout applied by SDPA in training. In a training
-  step whose padding trails each row's real tokens and whose losses read
-  no padding output, on a GPU, from `torch_ops.SEGMENT_MIN_LENGTH` tokens:
-  FlashAttention over variable-length segments
-  (`torch_ops.segment_attention`, `torch_step.segments_apply`).
-  `keras.ops.dot_product_attention` reaches the same kernel but first copies
-  Q, K and V and turns the mask into a float bias.
-- everything else: `keras.ops.dot_product_attention` with a boolean mask.
+Attention kernels, each one implementation of `kbert.layers.attention`'s
+table (the layer chooses among them and reports which ran):
+- `cudnn_attention`: JAX on a GPU, 16-bit inputs: cuDNN flash attention
+  through `jax.nn.dot_product_attention` with `key_value_seq_lengths` (the
+  form cuDNN accepts for padding); other padding patterns are made that
+  form by moving the real keys first, so any padding is exact. Under
+  `keras.distribution` DataParallel the operands are pinned to batch shards.
+- `torch_sdpa`: `scaled_dot_product_attention` on (B, N, T, D) views with a
+  boolean mask, and attention dropout applied by SDPA in training. In a
+  training step whose padding trails each row's real tokens and whose
+  losses read no padding output, on a GPU, from
+  `torch_ops.SEGMENT_MIN_LENGTH` tokens: FlashAttention over
+  variable-length segments (`torch_ops.segment_attention`,
+  `torch_step.segments_apply`). `keras.ops.dot_product_attention` reaches
+  the same kernel but first copies Q, K and V and turns the mask into a
+  float bias.
 
 `fused_gelu(x, approximate)`: on JAX x (1 + erf(x / sqrt 2)) / 2 in float32,
 as torch computes it (`jax.nn.gelu`'s erfc form expands to two rational
 approximations per element), with a custom gradient recomputed from x:
 autodiff kept three float32 copies of each block's (B, T, 4H) activation
 for the backward pass, which the JAX loop programs (blocks in a
-`lax.scan`) carry through stacked buffers (BERT-base, batch 32, H200: a
-loop step 9.8 against 10.6 ms at 80 tokens, 36.9 against 40.6 ms at 384;
-the step's own program unchanged, 8.1 to 8.5 ms against 7.8 to 8.5 ms);
-elsewhere `keras.activations.gelu`.
+`lax.scan`) carry through stacked buffers (figures in
+benchmarks/RESULTS.md); elsewhere `keras.activations.gelu`.
 
 `fused_layer_norm(x, gamma, beta, epsilon)` normalises the last axis in
 float32 and returns x's dtype. On JAX with a GPU or TPU a custom gradient: the forward pass
@@ -171,7 +168,9 @@ def fused_dropout(inputs, rate, seed_generator):
     return keras.random.dropout(inputs, rate, seed=seed_generator)
 
 
-def _cudnn(dtype):
+def cudnn_attention_available(dtype):
+    """Whether cuDNN's flash attention can run inputs of `dtype` here (JAX
+    on a GPU, 16-bit inputs)."""
     return (
         backend.is_jax()
         and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
@@ -188,44 +187,30 @@ def blocks_in_loop(blocks, x, padding_mask, training=None):
     return jax_ops.blocks_in_loop(blocks, x, padding_mask, training)
 
 
-def fused_attention_path(dtype="bfloat16"):
-    """Which kernel `fused_attention` uses for inputs of `dtype`."""
-    if _cudnn(dtype):
-        return "jax-cudnn-flash"
-    return "torch-sdpa" if backend.is_torch() else f"keras-{backend.name()}"
-
-
-def attention_dropout_is_fused():
-    """Whether `fused_attention` applies attention-probability dropout
-    (torch's SDPA does; elsewhere the explicit path must)."""
-    return backend.is_torch()
-
-
 def attention_keep(padding_mask):
-    """A padding mask (B, S), or an attention mask (B, T, S) (which keys
-    each query sees: rows holding several examples), -> the boolean mask
-    (B, 1, 1, S) or (B, 1, T, S) attention takes. A query that would see
-    no key (a row or query of padding) sees every key instead: a softmax
-    over nothing is NaN, and its outputs are padding, unused."""
+    """A padding mask (B, S) -> the boolean mask (B, 1, 1, S) attention
+    takes. A row of padding only sees every key instead: a softmax over
+    nothing is NaN, and its outputs are padding, unused."""
     keep = ops.cast(padding_mask, "bool")
     empty = ops.logical_not(ops.any(keep, axis=-1, keepdims=True))
-    keep = ops.logical_or(keep, empty)
-    return keep[:, None, None, :] if len(keep.shape) == 2 else keep[:, None, :, :]
+    return ops.logical_or(keep, empty)[:, None, None, :]
 
 
-def fused_attention(query, key, value, padding_mask, scale, dropout=0.0):
-    """query/key/value (B, T, N, D); padding_mask (B, S), or an attention
-    mask (B, T, S) -> (B, T, N, D). `dropout` (torch only): inverted dropout
-    on the attention probabilities."""
-    if dropout and not attention_dropout_is_fused():
-        raise ValueError("fused_attention applies attention dropout on torch only")
-    if len(padding_mask.shape) == 2 and _cudnn(query.dtype):
-        return jax_ops.cudnn_attention(query, key, value, ops.cast(padding_mask, "bool"), scale)
-    keep = attention_keep(padding_mask)
-    if backend.is_torch():
-        mask = padding_mask if len(padding_mask.shape) == 2 else None
-        return torch_ops.sdpa(query, key, value, keep, scale, dropout, padding_mask=mask)
-    return ops.dot_product_attention(query, key, value, mask=keep, scale=scale)
+def cudnn_attention(query, key, value, keep_keys, scale):
+    """query/key/value (B, T, N, D), keep_keys (B, S) bool -> (B, T, N, D):
+    cuDNN flash attention with padding as per-row key counts (any padding
+    pattern: the real keys are moved first; `jax_ops.cudnn_attention`)."""
+    return jax_ops.cudnn_attention(query, key, value, keep_keys, scale)
+
+
+def torch_sdpa(query, key, value, keep, scale, dropout=0.0, padding_mask=None):
+    """query/key/value (B, T, N, D), keep a bool mask broadcastable to
+    (B, 1, T, S) -> (B, T, N, D) through torch's
+    `scaled_dot_product_attention`, with attention dropout applied by the
+    kernel. Given the (B, T) `padding_mask` of a self-attention, under
+    `torch_ops.segment_attention`: FlashAttention over variable-length
+    segments."""
+    return torch_ops.sdpa(query, key, value, keep, scale, dropout, padding_mask=padding_mask)
 
 
 def fused_embedding_sum(tokens, positions, segments, segment_ids):
@@ -269,8 +254,8 @@ def token_packing(inputs, padding_mask):
     """An object with `gather` ((B, T, C) -> (n, C), the real tokens),
     `scatter` (back) and `attention_groups` for this block input, or None
     where the block runs on the padded batch."""
-    if getattr(_PADDED_ONLY, "depth", 0) or len(padding_mask.shape) == 3:
-        return None  # (B, T, S): rows holding several examples, already dense
+    if getattr(_PADDED_ONLY, "depth", 0):
+        return None
     if backend.is_torch():
         return torch_ops.token_packing(inputs, padding_mask)
     if backend.is_tensorflow():

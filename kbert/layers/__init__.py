@@ -9,8 +9,10 @@ from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding
 from kbert.layers.encoder import TransformerEncoderBlock
 from kbert.layers.heads import MaskedLMHead, NextSentenceHead, Pooler
 from kbert.layers.layer_norm import LayerNorm
+from kbert.layers.masks import AttentionMask
 
 __all__ = [
+    "AttentionMask",
     "BertEmbeddings",
     "BottleneckAdapter",
     "Dense",

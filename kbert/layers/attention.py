@@ -1,17 +1,27 @@
-"""Multi-head self-attention with a fused QKV projection.
+"""Multi-head attention: one layer, and a table of implementations.
 
-Shapes: B batch, T query tokens, S key tokens (= T), N heads, D head size,
+Shapes: B batch, T query tokens, S key tokens, N heads, D head size,
 H hidden (= N * D).
 
-Two paths compute the same function:
-- fused: `kbert.backend.ops` (cuDNN flash attention on JAX+GPU,
-  PyTorch SDPA on torch, XLA elsewhere), used whenever no attention-probability dropout is
-  active, i.e. at inference and when training with `attention_dropout=0`,
-  and on torch also with it (SDPA drops attention probabilities itself);
-- explicit: softmax(QK^T / sqrt(D)) with dropout on the probabilities, the
-  paper's recipe, used when training with `attention_dropout > 0` on JAX
-  and TensorFlow.
-`attention_path(training)` says which one a call takes.
+Every implementation computes softmax(Q K^T * scale) V over the keys an
+`AttentionMask` (`kbert.layers.masks`) lets each query see, with inverted
+dropout on the probabilities in training where the layer asks for it. They
+are registered by name in `ATTENTION_IMPLEMENTATIONS`, each saying whether
+it can take a call (`supports(mask, dtype, dropout)`): a layer's
+`attention_implementation` names one, or "auto" (the default) takes the
+first in `AUTO_ORDER` that can. `MultiHeadSelfAttention.attention_path`
+reports which one a call takes. A new kind of attention (a windowed kernel,
+a cached decoder's) is one `register_attention` call and its tests against
+"explicit".
+
+- "jax-cudnn-flash": cuDNN flash attention (JAX on a GPU, 16-bit inputs),
+  padding-only masks, no dropout.
+- "torch-sdpa": torch's `scaled_dot_product_attention` (FlashAttention,
+  memory-efficient or math kernel, torch's pick), any mask, dropout in the
+  kernel.
+- "keras": `keras.ops.dot_product_attention`, any mask, no dropout.
+- "explicit": the einsum, softmax and dropout written out; any mask, any
+  dropout (the paper's recipe: probability dropout 0.1 in training).
 """
 
 import math
@@ -19,29 +29,162 @@ import math
 import keras
 from keras import ops
 
-from kbert.backend.ops import (
-    attention_dropout_is_fused,
-    attention_keep,
-    fused_attention,
-    sublayer_call,
-)
+from kbert import backend
+from kbert.backend import ops as kernels
+from kbert.backend.ops import sublayer_call
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.initializers import truncated_normal
+from kbert.layers.masks import AttentionMask
+
+
+class AttentionImplementation:
+    """One entry of the table: `attend(query, key, value, mask, scale,
+    dropout)` -> (B, T, N, D) for query (B, T, N, D) and key/value
+    (B, S, N, D), `mask` an `AttentionMask` and `dropout` an
+    `AttentionDropout` (rate 0 outside training); `supports(mask, dtype,
+    rate)` says whether it computes that call exactly."""
+
+    def __init__(self, name, attend, supports):
+        self.name = name
+        self.attend = attend
+        self.supports = supports
+
+    def __repr__(self):
+        return f"AttentionImplementation({self.name!r})"
+
+
+class AttentionDropout:
+    """The dropout a call asks for: `rate` (0 outside training) and `apply`,
+    which drops attention probabilities with the layer's own generator (for
+    implementations that compute the probabilities themselves)."""
+
+    def __init__(self, rate, apply):
+        self.rate = rate
+        self.apply = apply
+
+
+ATTENTION_IMPLEMENTATIONS = {}
+# "auto" takes the first of these that supports the call.
+AUTO_ORDER = ["jax-cudnn-flash", "torch-sdpa", "keras", "explicit"]
+
+
+def register_attention(name, attend, supports, auto_position=None):
+    """Adds an implementation to the table; with `auto_position`, also to
+    "auto"'s order at that index (None: only chosen by name)."""
+    if name == "auto":
+        raise ValueError('"auto" is not a name an implementation can take')
+    ATTENTION_IMPLEMENTATIONS[name] = AttentionImplementation(name, attend, supports)
+    if auto_position is not None and name not in AUTO_ORDER:
+        AUTO_ORDER.insert(auto_position, name)
+    return ATTENTION_IMPLEMENTATIONS[name]
+
+
+def select_implementation(name, mask, dtype, rate):
+    """The implementation that runs a call: `name`'s, or for "auto" the first
+    in `AUTO_ORDER` that supports it. A named one that cannot is an error
+    naming why."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            implementation = ATTENTION_IMPLEMENTATIONS.get(candidate)
+            if implementation is not None and implementation.supports(mask, dtype, rate):
+                return implementation
+        raise ValueError(f"no attention implementation supports {mask!r}")  # "explicit" does
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown attention_implementation {name!r}; known: "
+            f"{['auto', *ATTENTION_IMPLEMENTATIONS]}"
+        )
+    implementation = ATTENTION_IMPLEMENTATIONS[name]
+    if not implementation.supports(mask, dtype, rate):
+        raise ValueError(
+            f"attention_implementation={name!r} cannot compute this call on the "
+            f"{backend.name()} backend ({mask!r}, dtype {dtype}, attention dropout {rate}); "
+            'use "auto" or "explicit"'
+        )
+    return implementation
+
+
+# --- the implementations -------------------------------------------------
+
+
+def _explicit(query, key, value, mask, scale, dropout):
+    scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
+    scores = ops.cast(scores, "float32") * scale
+    if mask.kind == "padding":
+        keep = kernels.attention_keep(mask.padding)  # (B, 1, 1, S)
+    else:
+        keep = mask.dense(query.shape[1], key.shape[1])[:, None]  # (B, 1, T, S)
+    # Masked keys get -1e30 (exp underflows to exactly 0). An additive bias
+    # rather than where(keep, scores, full_like(-1e30)): the filled constant
+    # is a host-to-device copy per layer on torch, which synchronises the
+    # stream.
+    scores = scores + (ops.cast(keep, "float32") - 1.0) * 1e30
+    probs = ops.cast(ops.softmax(scores, axis=-1), query.dtype)
+    if dropout.rate:
+        probs = dropout.apply(probs)
+    return ops.einsum("bnts,bsnd->btnd", probs, value)  # (B, T, N, D)
+
+
+def _keep(mask, query, key):
+    """The boolean mask (B, 1, 1, S) or (B, 1, T, S) for a kernel taking one."""
+    if mask.kind == "padding":
+        return kernels.attention_keep(mask.padding)
+    return mask.dense(query.shape[1], key.shape[1])[:, None]
+
+
+def _keras(query, key, value, mask, scale, dropout):
+    return ops.dot_product_attention(query, key, value, mask=_keep(mask, query, key), scale=scale)
+
+
+def _torch_sdpa(query, key, value, mask, scale, dropout):
+    padding = mask.padding if mask.kind == "padding" else None
+    return kernels.torch_sdpa(
+        query, key, value, _keep(mask, query, key), scale, dropout.rate, padding_mask=padding
+    )
+
+
+def _cudnn(query, key, value, mask, scale, dropout):
+    return kernels.cudnn_attention(query, key, value, mask.keep_keys(), scale)
+
+
+register_attention("explicit", _explicit, lambda mask, dtype, rate: True)
+register_attention("keras", _keras, lambda mask, dtype, rate: not rate)
+register_attention(
+    "torch-sdpa",
+    _torch_sdpa,
+    lambda mask, dtype, rate: backend.is_torch(),
+)
+register_attention(
+    "jax-cudnn-flash",
+    _cudnn,
+    lambda mask, dtype, rate: (
+        not rate
+        and mask.kind == "padding"
+        and mask.padding is not None
+        and kernels.cudnn_attention_available(dtype)
+    ),
+)
+
+
+# --- the layer -----------------------------------------------------------
 
 
 @keras.saving.register_keras_serializable(package="kbert")
 class MultiHeadSelfAttention(keras.layers.Layer):
-    """Bidirectional self-attention over the non-padding tokens.
+    """Multi-head self-attention with a fused QKV projection.
 
-    `padding_mask` is (B, S), or an attention mask (B, T, S) saying which
-    keys each query sees (rows that hold several examples).
+    `attention_mask` is a (B, S) padding mask (1 = real token), or an
+    `AttentionMask` or a dict of its parts given as a keyword argument
+    (Keras takes only tensors positionally).
 
     Args:
         num_heads: int. number of heads N.
         hidden_dim: int. model width H, divisible by `num_heads`.
         attention_dropout: float. dropout on attention probabilities.
         initializer_range: float. stddev of the truncated-normal init.
+        attention_implementation: str. a name in `ATTENTION_IMPLEMENTATIONS`,
+            or "auto": the fastest that can take each call.
 
     Example:
     >>> layer = MultiHeadSelfAttention(num_heads=2, hidden_dim=8)
@@ -56,16 +199,19 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         hidden_dim,
         attention_dropout=0.1,
         initializer_range=0.02,
+        attention_implementation="auto",
         **kwargs,
     ):
         super().__init__(**kwargs)
         if hidden_dim % num_heads:
             raise ValueError(f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}")
+        check_implementation_name(attention_implementation)
         self.num_heads = num_heads
         self.hidden_dim = hidden_dim
         self.head_dim = hidden_dim // num_heads
         self.attention_dropout = attention_dropout
         self.initializer_range = initializer_range
+        self.attention_implementation = attention_implementation
         init = truncated_normal(initializer_range)
         self.qkv = Dense(
             3 * hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="qkv"
@@ -77,19 +223,25 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             attention_dropout, dtype=self.dtype_policy, name="probs_dropout"
         )
 
-    def build(self, inputs_shape, padding_mask_shape=None):
+    def build(self, inputs_shape, attention_mask_shape=None):
         self.qkv.build(inputs_shape)
         self.output_dense.build(tuple(inputs_shape[:-1]) + (self.hidden_dim,))
         self.built = True
 
-    def attention_path(self, training=None):
-        """'fused' or 'explicit': the attention path a call with `training` takes."""
-        dropping = training and self.attention_dropout > 0
-        return "explicit" if dropping and not attention_dropout_is_fused() else "fused"
+    def attention_path(self, training=None, attention_mask=None, dtype=None):
+        """The name of the implementation a call takes (padding-only mask
+        when `attention_mask` is None; the layer's compute dtype by default)."""
+        mask = AttentionMask(padding=ops.ones((1, 1))) if attention_mask is None else attention_mask
+        rate = self.attention_dropout if training else 0.0
+        dtype = dtype or self.compute_dtype
+        return select_implementation(
+            self.attention_implementation, AttentionMask.of(mask), dtype, rate
+        ).name
 
-    def call(self, inputs, padding_mask, training=None):
+    def call(self, inputs, attention_mask, training=None):
+        mask = AttentionMask.of(attention_mask)
         qkv = sublayer_call(self.qkv, inputs, training=training)  # (B, T, 3H)
-        context = self._attend(qkv, padding_mask, training)
+        context = self._attend(qkv, mask, training)
         return sublayer_call(self.output_dense, context, training=training)
 
     def call_packed(self, tokens, packing, training=None):
@@ -101,13 +253,15 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         qkv = sublayer_call(self.qkv, tokens, training=training)  # (n, 3H)
         groups = packing.attention_groups()
         parts = [
-            group.gather(self._attend(group.scatter(qkv), group.padding_mask, training))
+            group.gather(
+                self._attend(group.scatter(qkv), AttentionMask(padding=group.padding_mask), training)
+            )
             for group in groups
         ]  # (n_g, H) each
         context = packing.merge(parts, groups)  # (n, H)
         return sublayer_call(self.output_dense, context, training=training)
 
-    def _attend(self, qkv, padding_mask, training):
+    def _attend(self, qkv, mask, training):
         """(B, T, 3H) projections -> (B, T, H) attention context."""
         batch, length = ops.shape(qkv)[0], ops.shape(qkv)[1]
         qkv = ops.reshape(qkv, (batch, length, 3, self.num_heads, self.head_dim))  # (B, T, 3, N, D)
@@ -115,31 +269,18 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         # (B, T, 3, N, D) tensor with its part copied in, and the three are
         # summed; unbind's gradient is one stack.
         query, key, value = ops.unstack(qkv, num=3, axis=2)  # (B, T, N, D) each
-
+        rate = self.attention_dropout if training else 0.0
+        implementation = select_implementation(
+            self.attention_implementation, mask, query.dtype, rate
+        )
+        dropout = AttentionDropout(
+            rate, lambda probs: sublayer_call(self.probs_dropout, probs, training=training)
+        )
         scale = 1.0 / math.sqrt(self.head_dim)
-        if self.attention_path(training) == "fused":
-            dropout = self.attention_dropout if training else 0.0
-            context = fused_attention(
-                query, key, value, padding_mask, scale, dropout
-            )  # (B, T, N, D)
-        else:
-            keep = attention_keep(padding_mask)  # (B, 1, 1, S) or (B, 1, T, S)
-            context = self._explicit_attention(query, key, value, keep, scale, training)
+        context = implementation.attend(query, key, value, mask, scale, dropout)  # (B, T, N, D)
         return ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
 
-    def _explicit_attention(self, query, key, value, keep, scale, training):
-        scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
-        scores = ops.cast(scores, "float32") * scale
-        # Masked keys get -1e30 (exp underflows to exactly 0). An additive
-        # bias rather than where(keep, scores, full_like(-1e30)): the filled
-        # constant is a host-to-device copy per layer on torch, which
-        # synchronises the stream.
-        scores = scores + (ops.cast(keep, "float32") - 1.0) * 1e30
-        probs = ops.cast(ops.softmax(scores, axis=-1), self.compute_dtype)
-        probs = sublayer_call(self.probs_dropout, probs, training=training)
-        return ops.einsum("bnts,bsnd->btnd", probs, value)  # (B, T, N, D)
-
-    def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
+    def compute_output_shape(self, inputs_shape, attention_mask_shape=None):
         return tuple(inputs_shape)
 
     def get_config(self):
@@ -149,5 +290,15 @@ class MultiHeadSelfAttention(keras.layers.Layer):
             hidden_dim=self.hidden_dim,
             attention_dropout=self.attention_dropout,
             initializer_range=self.initializer_range,
+            attention_implementation=self.attention_implementation,
         )
         return config
+
+
+def check_implementation_name(name):
+    """Raises a ValueError unless `name` is "auto" or a registered name."""
+    if name != "auto" and name not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown attention_implementation {name!r}; known: "
+            f"{['auto', *ATTENTION_IMPLEMENTATIONS]}"
+        )

@@ -13,6 +13,7 @@ from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.initializers import truncated_normal
 from kbert.layers.layer_norm import LayerNorm
+from kbert.layers.masks import AttentionMask
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -31,6 +32,10 @@ class TransformerEncoderBlock(keras.layers.Layer):
         initializer_range: float. stddev of the truncated-normal init.
         adapter_size: int or None. width of the bottleneck adapters inserted
             after the attention and feed-forward outputs (Houlsby et al.).
+        attention_implementation: str. see `kbert.layers.attention`.
+
+    `attention_mask` is a (B, T) padding mask, or an `AttentionMask` or a
+    dict of its parts given as a keyword argument.
 
     Example:
     >>> block = TransformerEncoderBlock(2, 8, 16)
@@ -49,6 +54,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
         layer_norm_epsilon=1e-12,
         initializer_range=0.02,
         adapter_size=None,
+        attention_implementation="auto",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -61,6 +67,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_range = initializer_range
         self.adapter_size = adapter_size
+        self.attention_implementation = attention_implementation
         init = truncated_normal(initializer_range)
         policy = self.dtype_policy
         self.self_attention = MultiHeadSelfAttention(
@@ -68,6 +75,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
             hidden_dim,
             attention_dropout=attention_dropout,
             initializer_range=initializer_range,
+            attention_implementation=attention_implementation,
             dtype=policy,
             name="self_attention",
         )
@@ -108,7 +116,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
                 name="output_adapter",
             )
 
-    def build(self, inputs_shape, padding_mask_shape=None):
+    def build(self, inputs_shape, attention_mask_shape=None):
         self.self_attention.build(inputs_shape)
         self.attention_layer_norm.build(inputs_shape)
         self.intermediate_dense.build(inputs_shape)
@@ -119,11 +127,13 @@ class TransformerEncoderBlock(keras.layers.Layer):
             self.output_adapter.build(inputs_shape)
         self.built = True
 
-    def call(self, inputs, padding_mask, training=None):
+    def call(self, inputs, attention_mask, training=None):
         run = sublayer_call  # layer(...), minus Keras' per-call overhead on torch
-        packing = token_packing(inputs, padding_mask)
+        mask = AttentionMask.of(attention_mask)
+        packing = token_packing(inputs, mask.padding) if mask.kind == "padding" else None
         if packing is None:
-            attended = run(self.self_attention, inputs, padding_mask, training=training)
+            # the description as a keyword: Keras takes only tensors positionally
+            attended = run(self.self_attention, inputs, attention_mask=mask, training=training)
             return self._residual_layers(inputs, attended, training)
         # The real tokens only, as (n, H) rows: see `kbert.backend.ops`.
         # Padding positions keep their inputs: zeros there would reach a
@@ -150,7 +160,7 @@ class TransformerEncoderBlock(keras.layers.Layer):
             y = self.output_adapter(y)
         return run(self.output_layer_norm, x + y)
 
-    def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
+    def compute_output_shape(self, inputs_shape, attention_mask_shape=None):
         return tuple(inputs_shape)
 
     def get_config(self):
@@ -166,4 +176,6 @@ class TransformerEncoderBlock(keras.layers.Layer):
             initializer_range=self.initializer_range,
             adapter_size=self.adapter_size,
         )
+        if self.attention_implementation != "auto":
+            config["attention_implementation"] = self.attention_implementation
         return config

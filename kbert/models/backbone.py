@@ -13,11 +13,13 @@ from kbert.backend import jax_compile, keras_internals
 from kbert.backend.ops import blocks_in_loop
 from kbert.layers import (
     BertEmbeddings,
+    AttentionMask,
     Pooler,
     TransformerEncoderBlock,
     canonical_activation,
     initializers,
 )
+from kbert.layers.attention import check_implementation_name
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import batching, preset_io
 from kbert.presets.architectures import architecture_config
@@ -25,7 +27,54 @@ from kbert.presets.io import save_backbone
 from kbert.utils import checks
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
+# Rows that hold several examples each (`kbert.models.batching.PackedBatches`)
+# add `example_ids` (R, T) (which example of the batch a token belongs to,
+# from 1; 0 for padding), `position_ids` (R, T) (each example counts from 0)
+# and `cls_index` (E,) (each example's first token in the flattened R x T
+# rows). Attention stays inside each example, so each example's outputs are
+# those it gets alone in a padded batch (to float rounding);
+# `pooled_output` is then (E, H), one per example.
+PACKED_INPUTS = ("example_ids", "position_ids", "cls_index")
 SHARED_LAYER_NAME = "shared_transformer_layer"
+
+
+def is_packed(inputs):
+    """Whether `inputs` are rows holding several examples (`PACKED_INPUTS`)."""
+    return isinstance(inputs, dict) and "cls_index" in inputs
+
+
+def encoder_forward(
+    embeddings, blocks, pooler, inputs, training=None, run_blocks=None, hidden_states=False
+):
+    """The backbone's one forward: embeddings, the blocks, the pooler. It
+    builds the functional graph, and `BertBackbone.call` runs it for the
+    strategies the graph cannot express (packed rows; `run_blocks`, a
+    function (blocks, x, attention_mask, training) -> x, for the blocks as
+    one loop)."""
+    packed = is_packed(inputs)
+    # `training` only where given: the functional graph takes it from the call
+    kw = {} if training is None else {"training": training}
+    at = {"position_ids": inputs["position_ids"]} if packed else {}
+    x = embeddings(inputs["token_ids"], inputs["segment_ids"], **kw, **at)
+    attention_mask = inputs["padding_mask"]  # (B, T): the description is padding only
+    if packed:
+        attention_mask = AttentionMask(padding=inputs["padding_mask"], segments=inputs["example_ids"])
+    states = [x]
+    if run_blocks is not None:
+        x = run_blocks(blocks, x, attention_mask, training)
+    else:
+        for block in blocks:
+            x = block(x, attention_mask=attention_mask, **kw)
+            states.append(x)
+    if packed:  # one [CLS] per example
+        first = ops.take(ops.reshape(x, (-1, ops.shape(x)[-1])), inputs["cls_index"], axis=0)
+        pooled = pooler(first[:, None, :])  # (E, H)
+    else:
+        pooled = pooler(x)
+    outputs = {"sequence_output": x, "pooled_output": pooled}
+    if hidden_states and run_blocks is None:
+        outputs["hidden_states"] = ops.stack(states, axis=1)  # (B, L + 1, T, H)
+    return outputs
 
 
 def _block_signature(block):
@@ -91,6 +140,10 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             to H (ALBERT); None: tables of width H, no projection.
         share_layers: bool. one Transformer block applied `num_layers` times
             (ALBERT's cross-layer sharing).
+        attention_implementation: str. "auto" (the fastest implementation
+            that can take each call) or a name in
+            `kbert.layers.attention.ATTENTION_IMPLEMENTATIONS` ("explicit",
+            "keras", "torch-sdpa", "jax-cudnn-flash").
         dtype: str or `keras.DTypePolicy`. e.g. "float32", "mixed_bfloat16".
 
     Example:
@@ -121,6 +174,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         adapter_size=None,
         embedding_dim=None,
         share_layers=False,
+        attention_implementation="auto",
         dtype=None,
         **kwargs,
     ):
@@ -152,6 +206,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
         activation = canonical_activation(activation)
+        check_implementation_name(attention_implementation)
 
         # === Layers ===
         embeddings = BertEmbeddings(
@@ -178,6 +233,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 layer_norm_epsilon=layer_norm_epsilon,
                 initializer_range=initializer_range,
                 adapter_size=adapter_size,
+                attention_implementation=attention_implementation,
                 dtype=dtype,
                 name=name,
             )
@@ -195,14 +251,9 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         inputs = {
             name: keras.Input(shape=(None,), dtype="int32", name=name) for name in INPUT_NAMES
         }
-        x = embeddings(inputs["token_ids"], inputs["segment_ids"])
-        hidden_states = [x]
-        for block in blocks:
-            x = block(x, inputs["padding_mask"])
-            hidden_states.append(x)
-        outputs = {"sequence_output": x, "pooled_output": pooler(x)}
-        if output_hidden_states:
-            outputs["hidden_states"] = ops.stack(hidden_states, axis=1)  # (B, L + 1, T, H)
+        outputs = encoder_forward(
+            embeddings, blocks, pooler, inputs, hidden_states=output_hidden_states
+        )
         super().__init__(inputs=inputs, outputs=outputs, dtype=dtype, **kwargs)
 
         # === Config ===
@@ -222,26 +273,31 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.adapter_size = adapter_size
         self.embedding_dim = embedding_dim
         self.share_layers = share_layers
+        self.attention_implementation = attention_implementation
 
     def call(self, inputs, training=None, mask=None, **kwargs):
-        blocks = self._blocks_shortcut(inputs)
-        if blocks is None:
+        run_blocks = self._blocks_strategy(inputs)
+        if run_blocks is None and not is_packed(inputs):
             return super().call(inputs, training=training, mask=mask, **kwargs)
-        x = self.get_layer("embeddings")(
-            inputs["token_ids"], inputs["segment_ids"], training=training
+        return encoder_forward(
+            self.get_layer("embeddings"),
+            self.transformer_layers,
+            self.get_layer("pooler"),
+            inputs,
+            training=training,
+            run_blocks=run_blocks,
+            hidden_states=self.output_hidden_states,
         )
-        x = blocks(x, inputs["padding_mask"], training)
-        return {"sequence_output": x, "pooled_output": self.get_layer("pooler")(x)}
 
-    def _blocks_shortcut(self, inputs):
-        """Where `call` runs embeddings, blocks and pooler without the
-        functional graph, the blocks as one function (x, padding_mask,
-        training) -> x; else None."""
+    def _blocks_strategy(self, inputs):
+        """How `call` runs the blocks where it does not run the functional
+        graph: a function (blocks, x, attention_mask, training) -> x, or
+        None for one after the other."""
         if jax_compile.layers_in_loop() and self.can_loop_layers(inputs):
             # a step traced for its first, fast-compiling program
             # (kbert.backend.jax_compile): the blocks as one loop
-            def looped(x, padding_mask, training):
-                x = blocks_in_loop(self.transformer_layers, x, padding_mask, training)
+            def looped(blocks, x, attention_mask, training):
+                x = blocks_in_loop(blocks, x, attention_mask, training)
                 jax_compile.note_looped()
                 return x
 
@@ -256,14 +312,15 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             # op by op in Python (0.5 s for BERT-base's twelve blocks). The
             # blocks are built and alike (`loops_layers`), and each keeps its
             # input's shape, so the first one's output stands for the last one's.
-            first = self.transformer_layers[0]
-            return lambda x, padding_mask, training: first(x, padding_mask, training=training)
+            return lambda blocks, x, attention_mask, training: blocks[0](
+                x, attention_mask, training=training
+            )
         return None
 
     def can_loop_layers(self, inputs):
         """Whether `call` can run the blocks on `inputs` as one loop over
         stacked weights (`loops_layers`, and a (B, S) padding mask)."""
-        if not isinstance(inputs, dict) or "padding_mask" not in inputs:
+        if not isinstance(inputs, dict) or "padding_mask" not in inputs or is_packed(inputs):
             return False
         return len(inputs["padding_mask"].shape) == 2 and self.loops_layers()
 
@@ -292,33 +349,6 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             return [self.get_layer(SHARED_LAYER_NAME)] * self.num_layers
         return [self.get_layer(f"transformer_layer_{i}") for i in range(self.num_layers)]
 
-    def packed_outputs(self, inputs, training=None):
-        """The backbone on rows that hold several examples each
-        (`kbert.models.batching.PackedBatches`): `inputs` has `token_ids`,
-        `segment_ids`, `padding_mask`, `example_ids` (R, T) (which example
-        of the batch a token belongs to, from 1; 0 for padding),
-        `position_ids` (R, T) (each example counts from 0) and `cls_index`
-        (E,) (each example's first token in the flattened R x T rows).
-        Attention stays inside each example, so each example's outputs are
-        those it gets alone in a padded batch (to float rounding).
-        Returns `sequence_output` (R, T, H) and `pooled_output` (E, H)."""
-        examples = inputs["example_ids"]
-        sees = ops.logical_and(
-            ops.equal(examples[:, :, None], examples[:, None, :]),
-            ops.not_equal(inputs["padding_mask"], 0)[:, None, :],
-        )  # (R, T, S): keys of the query's own example
-        x = self.get_layer("embeddings")(
-            inputs["token_ids"],
-            inputs["segment_ids"],
-            training=training,
-            position_ids=inputs["position_ids"],
-        )
-        for block in self.transformer_layers:
-            x = block(x, sees, training=training)
-        first = ops.take(ops.reshape(x, (-1, ops.shape(x)[-1])), inputs["cls_index"], axis=0)
-        pooled = self.get_layer("pooler")(first[:, None, :])  # (E, H)
-        return {"sequence_output": x, "pooled_output": pooled}
-
     def check_inputs(self, inputs):
         """Raises a clear ValueError for ids, masks or lengths the model
         cannot take (host values only; see `kbert.utils.checks`)."""
@@ -334,6 +364,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         )
 
     def __call__(self, inputs, *args, **kwargs):
+        if is_packed(inputs):
+            return super().__call__(inputs, *args, **kwargs)  # checked when packed
         if isinstance(inputs, dict) and set(inputs) != set(INPUT_NAMES):
             missing = [name for name in INPUT_NAMES if name not in inputs]
             if missing:
@@ -404,6 +436,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             **({"adapter_size": self.adapter_size} if self.adapter_size else {}),
             **({"embedding_dim": self.embedding_dim} if self.embedding_dim is not None else {}),
             **({"share_layers": True} if self.share_layers else {}),
+            **(
+                {"attention_implementation": self.attention_implementation}
+                if self.attention_implementation != "auto"
+                else {}
+            ),
         }
 
     @classmethod

@@ -378,7 +378,7 @@ class PackedBatches(BucketedBatches):
     row counts (`cheapest_buckets`). For tasks whose outputs are per example
     (`BertClassifier`): short texts then cost their tokens, not the
     batch's longest text times its size. The inputs are those of
-    `BertBackbone.packed_outputs`; targets and weights are per example,
+    `BertBackbone` with `PACKED_INPUTS`; targets and weights are per example,
     in batch order.
 
     Args:

@@ -54,7 +54,7 @@ class BertClassifier(Task):
         if isinstance(inputs, dict) and batching.PACKED_KEY in inputs:
             # rows holding several examples (`fit` with `pack_rows`): one
             # [CLS] per example, then the head as in the functional graph
-            pooled = self.backbone.packed_outputs(inputs, training)["pooled_output"]
+            pooled = self.backbone(inputs, training=training)["pooled_output"]
             x = self.get_layer("classifier_dropout")(pooled, training=training)
             return self.get_layer("float32_logits")(self.get_layer("logits")(x))
         return super().call(inputs, training=training, mask=mask, **kwargs)

@@ -216,9 +216,11 @@ def test_paths_are_reported():
         "torch-linear" if backend == "torch" else "keras-matmul-add"
     )
     assert fused.fused_dropout_path() == ("jax-hash" if backend == "jax" else f"keras-{backend}")
-    assert fused.fused_attention_path("float32") == (
-        "torch-sdpa" if backend == "torch" else f"keras-{backend}"
-    )
+    from kbert.layers.attention import MultiHeadSelfAttention
+
+    layer = MultiHeadSelfAttention(num_heads=2, hidden_dim=8, attention_dropout=0.1)
+    assert layer.attention_path(False) == ("torch-sdpa" if backend == "torch" else "keras")
+    assert layer.attention_path(True) == ("torch-sdpa" if backend == "torch" else "explicit")
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the cuDNN key-length path is JAX's")
@@ -562,7 +564,7 @@ def test_attention_dropout_is_unbiased_on_every_path():
         [keras.ops.convert_to_numpy(layer(x, mask, training=True)) for _ in range(1500)]
     )
     assert layer.attention_path(True) == (
-        "fused" if keras.backend.backend() == "torch" else "explicit"
+        "torch-sdpa" if keras.backend.backend() == "torch" else "explicit"
     )
     assert np.abs(draws[0] - draws[1]).max() > 1e-3  # masks differ between calls
     assert np.abs(draws[0] - want).max() > 1e-3

@@ -112,9 +112,9 @@ def run_kbert(preset, train, dev, epochs, seed, num_classes=2, variant=()):
     import kbert
 
     if "decay_all" in variant:  # weight decay on every weight, as torch.optim.AdamW
-        import kbert.models.task
+        import kbert.training.pipeline
 
-        kbert.models.task.exclude_from_weight_decay = lambda optimizer, model: None
+        kbert.training.pipeline.exclude_from_weight_decay = lambda optimizer, model: None
     keras.utils.set_random_seed(seed)
     model = kbert.BertClassifier.from_preset(preset, num_classes=num_classes)
     if "seq64" in variant:

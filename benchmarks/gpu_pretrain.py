@@ -108,6 +108,7 @@ def check_fused_attention():
     import numpy as np
 
     import kbert
+
     backbone = kbert.BertBackbone(
         1000, 2, 4, 64, 128, max_sequence_length=64, dropout=0.0, attention_dropout=0.0
     )

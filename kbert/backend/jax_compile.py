@@ -656,7 +656,7 @@ class AheadCompiler(keras.callbacks.Callback):
     """A callback for a JAX `fit` on kbert's bucketed batches (see module doc).
 
     Args:
-        batches: the training batches (`kbert.models.batching.BucketedBatches`:
+        batches: the training batches (`kbert.training.batching.BucketedBatches`:
             indexable, with `shape_key(index)` and `first_of_each_shape()`).
         validation: the validation `BucketedBatches`, or None.
         epochs: int. the epochs the `fit` runs.

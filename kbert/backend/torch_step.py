@@ -524,7 +524,7 @@ class GraphedTrainStep:
     in place). Dropout draws from torch's default CUDA generator, which a
     graph advances on every replay (fresh masks each step).
 
-    Shapes: length-bucketed batches (`kbert.models.batching`) come in a
+    Shapes: length-bucketed batches (`kbert.training.batching`) come in a
     handful of shapes; each gets its graph, all graphs share one memory
     pool. A shape runs eagerly on the capture stream the first time it is
     seen (lazy CUDA state for its kernels is made outside any graph) and

@@ -114,7 +114,7 @@ def _explicit(query, key, value, mask, scale, dropout):
     if mask.kind == "padding":
         keep = kernels.attention_keep(mask.padding)  # (B, 1, 1, S)
     else:
-        keep = mask.dense(query.shape[1], key.shape[1])[:, None]  # (B, 1, T, S)
+        keep = mask.dense(ops.shape(query)[1], ops.shape(key)[1])[:, None]  # (B, 1, T, S)
     # Masked keys get -1e30 (exp underflows to exactly 0). An additive bias
     # rather than where(keep, scores, full_like(-1e30)): the filled constant
     # is a host-to-device copy per layer on torch, which synchronises the
@@ -130,7 +130,7 @@ def _keep(mask, query, key):
     """The boolean mask (B, 1, 1, S) or (B, 1, T, S) for a kernel taking one."""
     if mask.kind == "padding":
         return kernels.attention_keep(mask.padding)
-    return mask.dense(query.shape[1], key.shape[1])[:, None]
+    return mask.dense(ops.shape(query)[1], ops.shape(key)[1])[:, None]
 
 
 def _keras(query, key, value, mask, scale, dropout):
@@ -254,7 +254,9 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         groups = packing.attention_groups()
         parts = [
             group.gather(
-                self._attend(group.scatter(qkv), AttentionMask(padding=group.padding_mask), training)
+                self._attend(
+                    group.scatter(qkv), AttentionMask(padding=group.padding_mask), training
+                )
             )
             for group in groups
         ]  # (n_g, H) each

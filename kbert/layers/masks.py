@@ -99,7 +99,7 @@ class AttentionMask:
 
     @property
     def kind(self):
-        """"padding" when only `padding` is set (per-row key lengths say it
+        """ "padding" when only `padding` is set (per-row key lengths say it
         all), else "general"."""
         general = (
             self.segments is not None
@@ -115,8 +115,11 @@ class AttentionMask:
 
     def dense(self, query_length, key_length):
         """The description as a bool (B, T, S) tensor (B is 1 when no part
-        has a batch axis); computed once per (T, S) and kept."""
-        key = (int(query_length), int(key_length))
+        has a batch axis); computed once per static (T, S) and kept. The
+        lengths may be scalar tensors (a graph traced for any length)."""
+        if not (isinstance(query_length, int) and isinstance(key_length, int)):
+            return self._build_dense(query_length, key_length)
+        key = (query_length, key_length)
         if key not in self._dense:
             self._dense[key] = self._build_dense(*key)
         return self._dense[key]

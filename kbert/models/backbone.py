@@ -9,11 +9,11 @@ import keras
 import numpy as np
 from keras import ops
 
-from kbert.backend import jax_compile, keras_internals
+from kbert.backend import keras_internals, trainer
 from kbert.backend.ops import blocks_in_loop
 from kbert.layers import (
-    BertEmbeddings,
     AttentionMask,
+    BertEmbeddings,
     Pooler,
     TransformerEncoderBlock,
     canonical_activation,
@@ -21,13 +21,14 @@ from kbert.layers import (
 )
 from kbert.layers.attention import check_implementation_name
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
-from kbert.models import batching, preset_io
+from kbert.models import preset_io
 from kbert.presets.architectures import architecture_config
 from kbert.presets.io import save_backbone
+from kbert.training import batching
 from kbert.utils import checks
 
 INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
-# Rows that hold several examples each (`kbert.models.batching.PackedBatches`)
+# Rows that hold several examples each (`kbert.training.batching.PackedBatches`)
 # add `example_ids` (R, T) (which example of the batch a token belongs to,
 # from 1; 0 for padding), `position_ids` (R, T) (each example counts from 0)
 # and `cls_index` (E,) (each example's first token in the flattened R x T
@@ -58,7 +59,9 @@ def encoder_forward(
     x = embeddings(inputs["token_ids"], inputs["segment_ids"], **kw, **at)
     attention_mask = inputs["padding_mask"]  # (B, T): the description is padding only
     if packed:
-        attention_mask = AttentionMask(padding=inputs["padding_mask"], segments=inputs["example_ids"])
+        attention_mask = AttentionMask(
+            padding=inputs["padding_mask"], segments=inputs["example_ids"]
+        )
     states = [x]
     if run_blocks is not None:
         x = run_blocks(blocks, x, attention_mask, training)
@@ -293,12 +296,12 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         """How `call` runs the blocks where it does not run the functional
         graph: a function (blocks, x, attention_mask, training) -> x, or
         None for one after the other."""
-        if jax_compile.layers_in_loop() and self.can_loop_layers(inputs):
+        if trainer.layers_in_loop() and self.can_loop_layers(inputs):
             # a step traced for its first, fast-compiling program
-            # (kbert.backend.jax_compile): the blocks as one loop
+            # (`kbert.backend.jax_compile`): the blocks as one loop
             def looped(blocks, x, attention_mask, training):
                 x = blocks_in_loop(blocks, x, attention_mask, training)
-                jax_compile.note_looped()
+                trainer.note_looped()
                 return x
 
             return looped
@@ -390,7 +393,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         not once per length) and `sequence_output` brought back to the input
         length. On JAX and TensorFlow on a CPU a batch of rows of mixed
         length runs as groups of rows of similar length, each cut to its own
-        bucket (`kbert.models.batching.length_groups`); outputs at padding
+        bucket (`kbert.training.batching.length_groups`); outputs at padding
         positions beyond a group's bucket are zeros."""
         self.check_inputs(x)
         if not (isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values())):

@@ -7,8 +7,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from kbert.models import batching
 from kbert.models.task import Task
+from kbert.training import batching
 from kbert.utils import checks
 
 
@@ -44,11 +44,8 @@ class BertClassifier(Task):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         inputs = self.backbone_inputs(backbone)
         logits = self.logits_head(backbone(inputs)["pooled_output"], backbone, num_classes, dropout)
-        super().__init__(inputs=inputs, outputs=logits, **kwargs)
-        self._set_backbone(backbone, preprocessor)
-        self.num_classes = num_classes
-        self.dropout = dropout
-        self.set_backbone_training(freeze_backbone)
+        config = dict(num_classes=num_classes, dropout=dropout, freeze_backbone=freeze_backbone)
+        self._init_task(inputs, logits, backbone, preprocessor, config, kwargs)
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         if isinstance(inputs, dict) and batching.PACKED_KEY in inputs:
@@ -59,44 +56,15 @@ class BertClassifier(Task):
             return self.get_layer("float32_logits")(self.get_layer("logits")(x))
         return super().call(inputs, training=training, mask=mask, **kwargs)
 
-    def task_config(self):
-        return {
-            "num_classes": self.num_classes,
-            "dropout": self.dropout,
-            "freeze_backbone": self.freeze_backbone,
-        }
+    config_names = ("num_classes", "dropout", "freeze_backbone")
 
-    def compile(
-        self,
-        optimizer="adamw",
-        learning_rate=5e-5,
-        num_train_steps=None,
-        num_warmup_steps=None,
-        loss=None,
-        metrics=None,
-        **kwargs,
-    ):
-        if loss is None:
-            loss = (
-                "mse"
-                if self.num_classes == 1
-                else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-            )
-        if metrics is None:
-            metrics = (
-                [keras.metrics.MeanAbsoluteError()]
-                if self.num_classes == 1
-                else [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
-            )
-        super().compile(
-            optimizer,
-            learning_rate,
-            num_train_steps,
-            num_warmup_steps,
-            loss=loss,
-            metrics=metrics,
-            **kwargs,
-        )
+    def compile_defaults(self, given):
+        if self.num_classes == 1:  # regression on scores
+            return {"loss": "mse", "metrics": [keras.metrics.MeanAbsoluteError()]}
+        return {
+            "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "metrics": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        }
 
     def check_targets(self, y):
         if _is_tensor_like(y) is False:

@@ -78,44 +78,16 @@ class BertMultipleChoice(Task):
         logits = ChoiceReshape(num_choices, False, dtype="float32", name="choice_logits")(
             scores[:, 0]
         )
-        super().__init__(inputs=inputs, outputs=logits, **kwargs)
-        self._set_backbone(backbone, preprocessor)
-        self.num_choices = num_choices
-        self.dropout = dropout
-        self.set_backbone_training(freeze_backbone)
+        config = dict(num_choices=num_choices, dropout=dropout, freeze_backbone=freeze_backbone)
+        self._init_task(inputs, logits, backbone, preprocessor, config, kwargs)
 
-    def task_config(self):
+    config_names = ("num_choices", "dropout", "freeze_backbone")
+
+    def compile_defaults(self, given):
         return {
-            "num_choices": self.num_choices,
-            "dropout": self.dropout,
-            "freeze_backbone": self.freeze_backbone,
+            "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "metrics": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
         }
-
-    def compile(
-        self,
-        optimizer="adamw",
-        learning_rate=5e-5,
-        num_train_steps=None,
-        num_warmup_steps=None,
-        loss=None,
-        metrics=None,
-        **kwargs,
-    ):
-        loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        metrics = (
-            metrics
-            if metrics is not None
-            else [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
-        )
-        super().compile(
-            optimizer,
-            learning_rate,
-            num_train_steps,
-            num_warmup_steps,
-            loss=loss,
-            metrics=metrics,
-            **kwargs,
-        )
 
     def preprocess_samples(self, x):
         if (

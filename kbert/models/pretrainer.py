@@ -11,7 +11,7 @@ then B in document order, 1 = swapped).
 import keras
 from keras import ops
 
-from kbert.backend.replicas import replica_sum
+from kbert.backend.trainer import replica_sum
 from kbert.convert import huggingface
 from kbert.layers import MaskedLMHead, NextSentenceHead
 from kbert.models.task import Task

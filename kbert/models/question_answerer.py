@@ -102,54 +102,34 @@ class BertQuestionAnswerer(Task):
             "start_logits": PaddingMasked(name="start_logits")(logits[:, :, 0], mask),
             "end_logits": PaddingMasked(name="end_logits")(logits[:, :, 1], mask),
         }
-        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
-        self._set_backbone(backbone, preprocessor)
-        self.doc_stride = doc_stride
-        self.max_query_length = max_query_length
-        self.n_best_size = n_best_size
-        self.max_answer_length = max_answer_length
-        self.null_score_threshold = null_score_threshold
-        self.set_backbone_training(freeze_backbone)
-
-    def task_config(self):
-        return {
-            "doc_stride": self.doc_stride,
-            "max_query_length": self.max_query_length,
-            "n_best_size": self.n_best_size,
-            "max_answer_length": self.max_answer_length,
-            "null_score_threshold": self.null_score_threshold,
-            "freeze_backbone": self.freeze_backbone,
-        }
-
-    def compile(
-        self,
-        optimizer="adamw",
-        learning_rate=5e-5,
-        num_train_steps=None,
-        num_warmup_steps=None,
-        loss=None,
-        metrics=None,
-        **kwargs,
-    ):
-        loss = loss or {
-            "start_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            "end_logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        }
-        kwargs.setdefault("loss_weights", {"start_logits": 0.5, "end_logits": 0.5})
-        if metrics is None:
-            metrics = {
-                "start_logits": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-                "end_logits": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-            }
-        super().compile(
-            optimizer,
-            learning_rate,
-            num_train_steps,
-            num_warmup_steps,
-            loss=loss,
-            metrics=metrics,
-            **kwargs,
+        config = dict(
+            doc_stride=doc_stride,
+            max_query_length=max_query_length,
+            n_best_size=n_best_size,
+            max_answer_length=max_answer_length,
+            null_score_threshold=null_score_threshold,
+            freeze_backbone=freeze_backbone,
         )
+        self._init_task(inputs, outputs, backbone, preprocessor, config, kwargs)
+
+    config_names = (
+        "doc_stride",
+        "max_query_length",
+        "n_best_size",
+        "max_answer_length",
+        "null_score_threshold",
+        "freeze_backbone",
+    )
+
+    def compile_defaults(self, given):
+        def each(make):
+            return {"start_logits": make(), "end_logits": make()}
+
+        return {
+            "loss": each(lambda: keras.losses.SparseCategoricalCrossentropy(from_logits=True)),
+            "loss_weights": {"start_logits": 0.5, "end_logits": 0.5},
+            "metrics": each(lambda: [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]),
+        }
 
     # --- features ----------------------------------------------------------
 

@@ -6,8 +6,8 @@ Shapes: B batch, T tokens, C classes.
 import keras
 import numpy as np
 
-from kbert.models import raw_text
 from kbert.models.task import Task
+from kbert.training import raw_text
 from kbert.utils import checks
 from kbert.utils.host import with_gc_paused
 
@@ -43,47 +43,23 @@ class BertTokenClassifier(Task):
         logits = self.logits_head(
             backbone(inputs)["sequence_output"], backbone, num_classes, dropout
         )
-        super().__init__(inputs=inputs, outputs=logits, **kwargs)
-        self._set_backbone(backbone, preprocessor)
-        self.num_classes = num_classes
-        self.dropout = dropout
-        self.set_backbone_training(freeze_backbone)
+        config = dict(num_classes=num_classes, dropout=dropout, freeze_backbone=freeze_backbone)
+        self._init_task(inputs, logits, backbone, preprocessor, config, kwargs)
 
-    def task_config(self):
-        return {
-            "num_classes": self.num_classes,
-            "dropout": self.dropout,
-            "freeze_backbone": self.freeze_backbone,
-        }
+    config_names = ("num_classes", "dropout", "freeze_backbone")
 
-    def compile(
-        self,
-        optimizer="adamw",
-        learning_rate=5e-5,
-        num_train_steps=None,
-        num_warmup_steps=None,
-        loss=None,
-        metrics=None,
-        weighted_metrics=None,
-        **kwargs,
-    ):
+    def compile_defaults(self, given):
         # Loss and metrics are weighted: only first pieces of words count, and
         # the loss is their mean (as transformers' ignore_index=-100), not a
-        # mean over every token slot.
-        loss = loss or keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction="mean_with_sample_weight"
-        )
-        if weighted_metrics is None:
-            weighted_metrics = metrics or [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
-        super().compile(
-            optimizer,
-            learning_rate,
-            num_train_steps,
-            num_warmup_steps,
-            loss=loss,
-            weighted_metrics=weighted_metrics,
-            **kwargs,
-        )
+        # mean over every token slot. Metrics given are weighted ones.
+        metrics = given.pop("metrics", None)
+        return {
+            "loss": keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight"
+            ),
+            "weighted_metrics": metrics
+            or [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        }
 
     @with_gc_paused
     def encode_words(self, sentences, labels=None):

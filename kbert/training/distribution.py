@@ -31,7 +31,8 @@ import keras
 import numpy as np
 
 from kbert import backend as kbert_backend
-from kbert.backend.replicas import replica_sum
+from kbert.backend import trainer
+from kbert.backend.trainer import replica_sum
 
 __all__ = [
     "ENGINES",
@@ -106,9 +107,7 @@ def distribution_scope(
     if engine == "none":
         return contextlib.nullcontext(), 1
     if engine == "torch-ddp":
-        from kbert.backend import torch_ddp
-
-        _, count = torch_ddp.initialize()
+        _, count = trainer.ddp_initialize()
         return contextlib.nullcontext(), count
     if engine == "jax-data-parallel":
         _initialize_processes(coordinator_address, num_processes, process_id)
@@ -161,25 +160,15 @@ def _initialize_processes(coordinator_address, num_processes, process_id):
         )
 
 
-def _ddp():
-    """`kbert.backend.torch_ddp` while this process trains with `torch-ddp`,
-    else None (torch is imported on the torch backend only)."""
-    if not kbert_backend.is_torch():
-        return None
-    from kbert.backend import torch_ddp
-
-    return torch_ddp if torch_ddp.active() else None
-
-
 def torch_ddp_active():
     """Whether this process trains with `torch-ddp`."""
-    return _ddp() is not None
+    return trainer.ddp_active()
 
 
 def process_index():
     """This process's index among those training together (0 with one process)."""
-    if _ddp():
-        return _ddp().rank()
+    if trainer.ddp_active():
+        return trainer.ddp_rank()
     if kbert_backend.name() == "jax":
         import jax
 
@@ -189,8 +178,8 @@ def process_index():
 
 def process_count():
     """How many processes train together (1 on one host)."""
-    if _ddp():
-        return _ddp().world_size()
+    if trainer.ddp_active():
+        return trainer.ddp_world_size()
     if kbert_backend.name() == "jax":
         import jax
 
@@ -221,8 +210,8 @@ def barrier(name):
     process): e.g. the others wait while process 0 writes shared files."""
     if process_count() == 1:
         return
-    if _ddp():
-        _ddp().barrier()
+    if trainer.ddp_active():
+        trainer.ddp_barrier()
         return
     from jax.experimental import multihost_utils
 
@@ -238,8 +227,8 @@ def any_process(flag):
 
 def _gather(value):
     """The int `value` of every process, process 0 first (a collective)."""
-    if _ddp():
-        return _ddp().gather_ints(value)
+    if trainer.ddp_active():
+        return trainer.ddp_gather_ints(value)
     from jax.experimental import multihost_utils
 
     return [int(v) for v in multihost_utils.process_allgather(np.int64(value))]
@@ -252,12 +241,11 @@ def shard_for_process(data):
     makes. Elsewhere `data` itself. Arrays are refused: they have no
     batches yet (let `fit` cut them into length buckets, its default, or
     pass a dataset)."""
-    torch_ddp = _ddp()
-    if torch_ddp is None:
+    if not trainer.ddp_active():
         return data
-    count, index = torch_ddp.world_size(), torch_ddp.rank()
+    count, index = trainer.ddp_world_size(), trainer.ddp_rank()
     if isinstance(data, keras.utils.PyDataset):
-        return _RowsOfBatches(data, torch_ddp.rows)
+        return _RowsOfBatches(data, trainer.ddp_rows)
     if type(data).__module__.startswith("tensorflow") and hasattr(data, "element_spec"):
         import tensorflow as tf
 

@@ -6,11 +6,7 @@ import keras
 from keras import ops
 
 from kbert import backend
-from kbert.backend import keras_internals
-from kbert.backend import tensorflow as tf_backend
-
-if backend.is_torch():
-    from kbert.backend import torch_ops, torch_step
+from kbert.backend import keras_internals, trainer
 
 NO_DECAY = ("gamma", "beta", "bias")
 
@@ -66,7 +62,7 @@ def global_clip_scale(grads, clip):
     skipped), a float32 scalar; NaN for a non-finite norm."""
     present = [g for g in grads if g is not None]
     if _multi_tensor(present):
-        norm = torch_ops.global_norm(present)
+        norm = trainer.grouped_global_norm(present)
     else:
         norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
     scale = clip / (ops.relu(norm - clip) + clip)  # = clip / max(norm, clip)
@@ -85,7 +81,7 @@ def clip_by_global_norm(grads, clip):
     multi_tensor = _multi_tensor(present)
     scale = global_clip_scale(grads, clip)
     if multi_tensor:
-        scaled = iter(torch_ops.scale_all(present, scale))
+        scaled = iter(trainer.grouped_scale(present, scale))
         return [None if g is None else next(scaled) for g in grads]
     return [None if g is None else g * ops.cast(scale, g.dtype) for g in grads]
 
@@ -99,7 +95,7 @@ class ReplicaExactClipping(keras_internals.OptimizerShims):
         def clip(g):
             return clip_by_global_norm(g, self.global_clipnorm)
 
-        summed = tf_backend.clip_summed(grads, clip)
+        summed = trainer.clip_summed(grads, clip)
         return summed if summed is not None else clip(grads)
 
     def clip_scale(self, grads):
@@ -121,21 +117,21 @@ class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if backend.is_torch():
-            torch_step.count_in_place(keras_internals.iterations_variable(self))
+            trainer.count_in_place(keras_internals.iterations_variable(self))
 
     def defers_clipping(self):
         """On torch, in kbert's training step (whose gradients are its own):
         the update scales the gradients, in the fused CPU pass where it runs."""
-        return backend.is_torch() and torch_step.owns_gradients()
+        return trainer.owns_gradients()
 
     def parallel_update(self, grads, variables, learning_rate):
         """The multi-tensor update Keras' torch optimizer calls."""
-        torch_step.adam_update(self, grads, variables, learning_rate)
+        trainer.adam_update(self, grads, variables, learning_rate)
 
     def update_step(self, gradient, variable, learning_rate):
         """Keras' per-variable update; on TensorFlow through the fused
         kernel (`kbert.backend.tensorflow.fused_adam_update`)."""
-        if backend.is_tensorflow() and tf_backend.fused_adam_update(
+        if backend.is_tensorflow() and trainer.fused_adam_update(
             self, gradient, variable, learning_rate
         ):
             return

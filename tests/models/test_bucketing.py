@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kbert
-from kbert.models import batching
+from kbert.training import batching
 from tests import harness
 from tests.harness import TINY
 
@@ -523,7 +523,7 @@ def test_the_number_of_batches_a_call_runs_where_it_is_known():
     """What the autotuning choice counts: given steps, a PyDataset's
     batches, arrays (dicts, tuples) in batches of batch_size; None for a
     generator or a dataset without a length."""
-    from kbert.models.task import _steps
+    from kbert.training.pipeline import _steps
 
     x = inputs()
     assert _steps(x, 4) == -(-N // 4)

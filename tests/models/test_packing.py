@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kbert
-from kbert.models import batching
+from kbert.training import batching
 from tests.harness import TINY
 
 N, T = 24, 32

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kbert
-from kbert.models import batching
+from kbert.training import batching
 from tests import harness
 from tests.harness import TINY
 

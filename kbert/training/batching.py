@@ -34,6 +34,7 @@ from kbert.backend import (
     is_torch,
     jax_on_accelerator,
     on_accelerator,
+    trainer,
 )
 
 # Bucket lengths are multiples of this where each new length is compiled or
@@ -113,13 +114,9 @@ def training_shape_cost(model, batch_size, epochs):
     replays the training step as CUDA graphs, `GRAPH_SHAPE_COST` positions
     in columns of this process's rows of a batch (torch-ddp splits each
     batch), shared by the fit's epochs; else 0."""
-    if not is_torch():
+    if not trainer.graphs_training(model):
         return 0.0
-    from kbert.backend import torch_ddp, torch_step
-
-    if not torch_step.graphs_training(model):
-        return 0.0
-    mine = torch_ddp.rows(batch_size)
+    mine = trainer.ddp_rows(batch_size)
     return GRAPH_SHAPE_COST / max(mine.stop - mine.start, 1) / max(int(epochs), 1)
 
 

@@ -33,7 +33,8 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
     `compile` with BERT's fine-tuning defaults.
 
     What a subclass declares:
-    - `preprocessor`: raw text -> model inputs, or None (model inputs only).
+    - `preprocessor` (an attribute the subclass sets): raw text -> model
+      inputs, or None (model inputs only).
     - `input_limits()`: {"vocabulary_size", "type_vocab_size",
       "max_sequence_length"}, the ranges inputs are checked against.
     - `compile_defaults(given)`: the loss and metrics `compile` fills in
@@ -60,7 +61,6 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
     targets_hint = "pass them as `y` (labels for texts, or target arrays for model inputs)"
     bucket_datasets = True
     packs_rows = False
-    preprocessor = None
 
     def input_limits(self):
         raise NotImplementedError(f"{type(self).__name__} must define input_limits()")

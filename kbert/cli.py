@@ -8,7 +8,6 @@ runs; `python -m kbert.cli` is the same command.
 
 import json
 import os
-import runpy
 import sys
 
 import keras
@@ -19,6 +18,7 @@ from kbert import models
 from kbert.convert import huggingface
 from kbert.data import MaskingConfig, check_directory
 from kbert.data import create_pretraining_data as create_data
+from kbert.programs import pretrain as pretraining
 from kbert.tokenizers import BertTokenizer
 
 
@@ -116,16 +116,11 @@ def export(args):
 
 
 def pretrain(argv):
-    """Runs examples/pretrain.py with `argv` as its arguments."""
-    script = os.path.join(os.path.dirname(__file__), "..", "examples", "pretrain.py")
-    if not os.path.isfile(script):
-        print(
-            "kbert pretrain needs examples/pretrain.py (run from a source checkout)",
-            file=sys.stderr,
-        )
-        return 2
-    example = runpy.run_path(script, run_name="kbert_pretrain")
-    example["main"](list(argv), prog="kbert pretrain")
+    """Runs kbert.programs.pretrain with `argv` as its arguments. Without
+    --corpus it reads the shipped corpus of a source checkout (examples/data)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = pretraining.shipped_corpus(os.path.join(checkout, "examples", "data"))
+    pretraining.main(list(argv), prog="kbert pretrain", default_corpus=corpus)
     return 0
 
 

@@ -101,8 +101,10 @@ def build_parser():
     check = commands.add_parser("check-pretraining-data", help="statistics of a created directory")
     check.add_argument("directory")
 
-    # Its flags are examples/pretrain.py's, which parses them itself.
-    commands.add_parser("pretrain", help="run examples/pretrain.py (same flags)", add_help=False)
+    # kbert.programs.pretrain parses its own flags (those of examples/pretrain.py).
+    commands.add_parser(
+        "pretrain", help="pre-train MLM + NSP from raw text (kbert pretrain --help)", add_help=False
+    )
     return parser
 
 

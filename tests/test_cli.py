@@ -58,7 +58,7 @@ def test_help_and_presets_import_no_keras_or_backend():
 
 
 def test_pretrain_names_itself_kbert_pretrain():
-    """`kbert pretrain` runs examples/pretrain.py, whose usage and errors
+    """`kbert pretrain` runs kbert.programs.pretrain, whose usage and errors
     name the command the user typed."""
     result = _python("-m", "kbert_cli", "pretrain", "--help")
     assert result.returncode == 0, result.stderr

@@ -1,6 +1,6 @@
 """A persistent XLA compilation cache for kbert's JAX steps on a GPU or TPU.
 
-XLA compiles a BERT-base training step for 8 to 13 s on a GPU, and a
+XLA compiles a BERT-base training step for many seconds on a GPU, and a
 short fine-tuning run spends much of its time waiting for it (or running
 slower loop programs meanwhile: `kbert.backend.jax_compile`). The
 executables depend only on the program, the compiler options, the device

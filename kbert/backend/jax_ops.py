@@ -49,8 +49,8 @@ def dropout_bits(shape, seed):
 
 def _flat_index(shape, iota_limit=2**32):
     """Each element's row-major flat index, as uint32 (mod 2^32): one iota
-    reshaped (a BERT-base training step compiles about 1 s faster on a GPU
-    than with an iota per axis, for the same bits)."""
+    reshaped (a BERT-base training step compiles faster on a GPU than with
+    an iota per axis, for the same bits)."""
     size = int(np.prod(shape, dtype=np.int64))
     if size < iota_limit:
         return jax.lax.iota(jnp.uint32, size).reshape(shape)

@@ -64,12 +64,11 @@ def _gpu_attention_kernels():
     (`torch.backends.cuda.enable_*_sdp`), without cuDNN's; None where cuDNN's
     is already off or is the only one on.
 
-    cuDNN's attention builds a plan for every new input shape, about 0.17 s
-    each on an H100 (3.4 s for the first), where FlashAttention and the
-    memory-efficient kernel take about 1 ms, and length-bucketed batches
-    bring a new shape per bucket; at fine-tuning lengths (16 to 128
-    tokens) the memory-efficient kernel also runs a step as fast or faster
-    (benchmarks/RESULTS.md). `sdpa_kernel` sets process-wide flags for the
+    cuDNN's attention builds a plan for every new input shape, far slower
+    than FlashAttention's or the memory-efficient kernel's start, and
+    length-bucketed batches bring a new shape per bucket; at fine-tuning
+    lengths (16 to 128 tokens) the memory-efficient kernel also runs a
+    step as fast or faster. `sdpa_kernel` sets process-wide flags for the
     duration of the call, as torch's own context manager does."""
     from torch.backends import cuda
     from torch.nn.attention import SDPBackend
@@ -85,12 +84,10 @@ def _gpu_attention_kernels():
 
 
 # Segment attention (`segment_attention`): from this many tokens per row
-# (below it the memory-efficient kernel with a mask was as fast or faster),
-# padding split into segments of at most `SEGMENT_CHUNK` tokens. Forward and
-# backward of one layer at 32 x 12 heads x 64, bf16, dropout 0.1, GPU time
-# on an H200: 128 tokens 0.146 ms against 0.132, 144 tokens 0.178 against
-# 0.255, 384 tokens (XQuAD windows) 0.357 against 0.916
-# (benchmarks/attention_kernels.py, benchmarks/RESULTS.md).
+# (below it the memory-efficient kernel with a mask is as fast or faster),
+# padding split into segments of at most `SEGMENT_CHUNK` tokens. The
+# crossover is measured by benchmarks/attention_kernels.py (figures in
+# benchmarks/RESULTS.md, "Attention over segments").
 SEGMENT_MIN_LENGTH = 144
 SEGMENT_CHUNK = 128
 
@@ -193,8 +190,8 @@ def sdpa(query, key, value, keep, scale, dropout=0.0, padding_mask=None):
 # the gathers and scatters cost about what the skipped rows would.
 PACK_MIN_PADDING = 0.125
 # Attention groups: a group of b rows padded to T costs about b * T^2 plus
-# this much for its own calls (in the same units; measured on a 2-core CPU,
-# 12 heads of 32: 0.2 ms per group and layer, forward and backward).
+# this much for its own calls (in the same units; calibrated on a 2-core
+# CPU at 12 heads of 32, forward and backward).
 GROUP_COST = 700
 
 

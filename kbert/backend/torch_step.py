@@ -336,8 +336,8 @@ def cpu_fused_adam(
 ):
     """Keras' Adam update through torch's fused CPU kernel
     (`torch._fused_adam_`, torch 2.4-2.13 checked): one pass over each
-    variable and its slots where the foreach update makes ten, about 9x
-    faster on a 2-core CPU (benchmarks/RESULTS.md). Returns False, having
+    variable and its slots where the foreach update makes ten, several
+    times faster on a CPU. Returns False, having
     changed nothing, where it does not apply: tensors not all contiguous
     float32 on the CPU, tensor hyperparameters, under torch.compile, or a
     torch without the kernel.

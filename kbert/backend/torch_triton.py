@@ -2,13 +2,12 @@
 on a GPU.
 
 kbert's torch Adam (`torch_step.adam_update`) is ten `torch._foreach_*`
-passes over every variable and its two slots: for BERT-base, 3.9 ms of an
-H100's time per step inside a CUDA graph, a third of a fine-tuning step on
+passes over every variable and its two slots, each reading and writing
+memory: inside a CUDA graph that is a large share of a fine-tuning step on
 short text. One kernel per variable that reads the variable, its gradient
-and its slots once and writes them once does the same update in 1.6 ms
-(figures: benchmarks/RESULTS.md). Eagerly, its 200 launches cost the host
-about as much as the foreach passes; inside a replayed graph they are
-free.
+and its slots once and writes them once does the same update in less than
+half the time. Eagerly, its 200 launches cost the host about as much as
+the foreach passes; inside a replayed graph they are free.
 
 `torch._fused_adamw_` (what `torch.optim.AdamW(fused=True)` runs) would do
 it too, but with torch's arithmetic: it adds epsilon to the bias-corrected
@@ -148,11 +147,10 @@ def _first_launch(device):
 
 def warm_up(device):
     """Starts the kernel's first launch on the CUDA `device` in a
-    background thread, unless done: Triton compiles the kernel then,
-    about 2 s on a machine whose Triton cache is empty (H200; figures in
-    benchmarks/RESULTS.md), which a `fit` spends tokenizing instead of in
-    its first step. The first update waits for it (`_usable`). Returns
-    the thread, or None."""
+    background thread, unless done: Triton compiles the kernel then (some
+    seconds on a machine whose Triton cache is empty), which a `fit`
+    spends tokenizing instead of in its first step. The first update
+    waits for it (`_usable`). Returns the thread, or None."""
     if device.type != "cuda" or _index(device) in _USABLE:
         return None
     # the caller's device: a new thread's current CUDA device is the first

@@ -90,8 +90,8 @@ class BertClassifier(Task):
 
 
 def _host_values(y):
-    """Targets as a NumPy array: a list of numbers directly (through Keras'
-    tree utilities a 67,349-label list took 0.6 s on torch), tensors
+    """Targets as a NumPy array: a list of numbers directly (Keras' tree
+    utilities visit each element of a long label list in Python), tensors
     through Keras."""
     if isinstance(y, np.ndarray):
         return y

@@ -30,7 +30,7 @@ def masked_lm_loss(mask_ids, logits, mask_weights):
 def _masked_lm_sums(mask_ids, logits, mask_weights):
     # Rows of (B * P, V): Keras' torch loss moves the class axis to dim 1,
     # and for (B, P, V) logits that makes the softmax stride over P (a
-    # strided kernel that took 17 ms of a BERT-base-512 step on an H100).
+    # strided kernel, slow on a GPU at long sequences).
     vocabulary = ops.shape(logits)[-1]
     weights = ops.reshape(ops.cast(mask_weights, "float32"), (-1,))
     # padded slots (weight 0) may hold any id, e.g. -100: read as 0, which

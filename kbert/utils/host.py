@@ -10,13 +10,12 @@ def gc_paused():
     """Within: Python's cyclic garbage collector off (if it was on), back on
     after. Tokenizing a data set makes millions of small lists and ints,
     which trigger collections that each walk every object the process
-    holds: with torch and Keras loaded (about 575,000 objects) that was
-    half of tokenizing SST-2's 67,349 sentences (0.70 s against 0.35 s,
-    2-core CPU). For kbert's own preparation code only (the caller's
-    iterators are read before), whose objects hold no cycles: the pause
-    frees nothing later than it would have been. A pause that finds the
-    collector off leaves it alone, so nested or concurrent pauses never
-    leave it off for good."""
+    holds: with torch and Keras loaded (hundreds of thousands of objects)
+    they take about half of tokenizing SST-2's training set. For kbert's
+    own preparation code only (the caller's iterators are read before),
+    whose objects hold no cycles: the pause frees nothing later than it
+    would have been. A pause that finds the collector off leaves it alone,
+    so nested or concurrent pauses never leave it off for good."""
     was_enabled = gc.isenabled()
     if was_enabled:
         gc.disable()

@@ -1,4 +1,4 @@
-"""kbert.training.callbacks.CurveLogger, the recorder behind examples/pretrain.py's curves."""
+"""kbert.training.callbacks.CurveLogger, the recorder behind the pre-training curves."""
 
 import keras
 import numpy as np

@@ -45,8 +45,8 @@ MULTIPLE = 16
 # buckets to multiples of 64 (two programs for T = 128).
 ACCELERATOR_MULTIPLE = 64
 # ... except `predict` on host arrays, whose bucket programs compile ahead,
-# side by side (`kbert.backend.jax_compile.compile_predict_ahead`): 32
-# (SST-2 on an H200, benchmarks/RESULTS.md: faster first and later calls).
+# side by side (`kbert.backend.jax_compile.compile_predict_ahead`): 32,
+# faster first and later calls (benchmarks/RESULTS.md).
 ACCELERATOR_PREDICT_MULTIPLE = 32
 # Inputs with a token axis (the last): cut to the bucket length.
 TOKEN_INPUTS = ("token_ids", "segment_ids", "padding_mask")
@@ -63,9 +63,8 @@ PACK_SHAPE_COST = 8
 ACCELERATOR_PACK_SHAPE_COST = 10_000
 PACK_MAX_SHARE = 0.8
 # torch replaying the training step as CUDA graphs: a new batch shape runs
-# eagerly once, then is captured, 0.3 to 0.4 s more than two replays for
-# BERT-base on an H200, the time of about 100,000 token positions of
-# replayed steps (36 ms for 32 x 384). Set below that, so that a rare
+# eagerly once, then is captured, which for BERT-base costs about the time
+# of 100,000 token positions of replayed steps. Set below that, so that a rare
 # length is merged only where it clearly pays: `fit` pads the batches of a
 # rare bucket length up to a longer bucket where that costs fewer
 # positions than this, over the fit's epochs (`cheapest_buckets`).

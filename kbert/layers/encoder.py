@@ -1,6 +1,16 @@
-"""The post-LayerNorm Transformer encoder block of BERT.
+"""Encoder blocks, registered by name: the post-LayerNorm Transformer block
+of BERT is "bert".
 
 Shapes: B batch, T tokens, H hidden, I intermediate (feed-forward) width.
+
+A backbone builds its blocks from `BLOCKS[block_type]` (`BertBackbone`'s
+`block_type` and `block_options`). A block class takes the backbone's
+common arguments (num_heads, hidden_dim, intermediate_dim, dropout,
+attention_dropout, activation, layer_norm_epsilon, initializer_range,
+adapter_size, attention_implementation, plus Keras' dtype and name) and
+the backbone's `block_options`, is called as `block(x, attention_mask,
+training=...)` and keeps x's shape. A new kind of block (a bottleneck
+block, a decoder block) is one class and one `register_block` call.
 """
 
 import keras
@@ -179,3 +189,23 @@ class TransformerEncoderBlock(keras.layers.Layer):
         if self.attention_implementation != "auto":
             config["attention_implementation"] = self.attention_implementation
         return config
+
+
+BLOCKS = {}
+
+
+def register_block(name, cls):
+    """Makes `cls` the block of backbones built with `block_type=name`."""
+    BLOCKS[name] = cls
+    return cls
+
+
+def block_class(name):
+    """The block class registered as `name`; a ValueError naming the known
+    ones otherwise."""
+    if name not in BLOCKS:
+        raise ValueError(f"unknown block_type {name!r}; registered: {sorted(BLOCKS)}")
+    return BLOCKS[name]
+
+
+register_block("bert", TransformerEncoderBlock)

@@ -15,11 +15,11 @@ from kbert.layers import (
     AttentionMask,
     BertEmbeddings,
     Pooler,
-    TransformerEncoderBlock,
     canonical_activation,
     initializers,
 )
 from kbert.layers.attention import check_implementation_name
+from kbert.layers.encoder import block_class
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import preset_io
 from kbert.presets.architectures import architecture_config
@@ -143,6 +143,10 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             to H (ALBERT); None: tables of width H, no projection.
         share_layers: bool. one Transformer block applied `num_layers` times
             (ALBERT's cross-layer sharing).
+        block_type: str. the block class, by its name in
+            `kbert.layers.encoder.BLOCKS` ("bert": the post-LN block).
+        block_options: dict or None. extra constructor arguments of that
+            block class.
         attention_implementation: str. "auto" (the fastest implementation
             that can take each call) or a name in
             `kbert.layers.attention.ATTENTION_IMPLEMENTATIONS` ("explicit",
@@ -177,6 +181,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         adapter_size=None,
         embedding_dim=None,
         share_layers=False,
+        block_type="bert",
+        block_options=None,
         attention_implementation="auto",
         dtype=None,
         **kwargs,
@@ -210,6 +216,9 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
         activation = canonical_activation(activation)
         check_implementation_name(attention_implementation)
+        block_cls = block_class(block_type)
+        if block_options is not None and not isinstance(block_options, dict):
+            raise ValueError(f"block_options must be a dict or None, got {block_options!r}")
 
         # === Layers ===
         embeddings = BertEmbeddings(
@@ -226,7 +235,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         )
 
         def block(name):
-            return TransformerEncoderBlock(
+            return block_cls(
                 num_heads,
                 hidden_dim,
                 intermediate_dim,
@@ -239,6 +248,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 attention_implementation=attention_implementation,
                 dtype=dtype,
                 name=name,
+                **(block_options or {}),
             )
 
         if share_layers:
@@ -277,6 +287,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.embedding_dim = embedding_dim
         self.share_layers = share_layers
         self.attention_implementation = attention_implementation
+        self.block_type = block_type
+        self.block_options = dict(block_options) if block_options else None
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         run_blocks = self._blocks_strategy(inputs)
@@ -444,6 +456,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 if self.attention_implementation != "auto"
                 else {}
             ),
+            **({"block_type": self.block_type} if self.block_type != "bert" else {}),
+            **({"block_options": self.block_options} if self.block_options else {}),
         }
 
     @classmethod

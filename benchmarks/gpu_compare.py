@@ -11,7 +11,7 @@ from raw text, with each figure's ratio HEAD / BASE.
     python benchmarks/gpu_compare.py .gpu/base .gpu/head --configs base128 --backends jax \\
         --finetune none --rounds 3
 
-A tree is `[NAME=]DIR[@MODULE.ATTR=VALUE,...]`: DIR holds a kbert source
+A tree is `[NAME=]DIR[@MODULE.ATTR=VALUE...]`: DIR holds a kbert source
 tree (`DIR/kbert`); the settings are applied in each of its processes after
 `import kbert` (values read by `ast.literal_eval`), e.g.
 `at=.gpu/main@kbert.backend.jax_compile.AUTOTUNE_MIN_STEPS=0`, to time a
@@ -103,14 +103,14 @@ def prepare(rev, directory):
 
 
 def parse_tree(spec):
-    """`[NAME=]DIR[@MODULE.ATTR=VALUE,...]` -> {name, dir, settings}."""
-    spec, _, settings = spec.partition("@")
+    """`[NAME=]DIR[@MODULE.ATTR=VALUE...]` -> {name, dir, settings}."""
+    spec, *settings = spec.split("@")
     name, _, directory = spec.rpartition("=")
     directory = os.path.abspath(directory)
     if not os.path.isdir(os.path.join(directory, "kbert")):
         raise SystemExit(f"{directory} holds no kbert/ tree (lay one out with --prepare)")
     pairs = {}
-    for item in filter(None, settings.split(",")):
+    for item in filter(None, settings):
         target, _, value = item.partition("=")
         pairs[target] = ast.literal_eval(value)
     revision = os.path.join(directory, "REVISION")
@@ -276,7 +276,7 @@ def print_table(report, trees):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "trees", nargs="*", help="BASE [HEAD ...]: [NAME=]DIR[@MODULE.ATTR=VALUE,...]"
+        "trees", nargs="*", help="BASE [HEAD ...]: [NAME=]DIR[@MODULE.ATTR=VALUE...]"
     )
     parser.add_argument("--prepare", nargs=2, metavar=("REV", "DIR"), help="lay out a tree here")
     parser.add_argument("--configs", nargs="*", default=["base128", "large128"])

@@ -27,7 +27,12 @@ is about 8 of a step program's 16 to 24 s of compilation, and it makes
 each step about 8% faster (6.5 against 7.1 ms): it repays itself after
 some 10,000 to 15,000 steps of that program. `step_options` leaves it
 out of the programs of runs of fewer than `AUTOTUNE_MIN_STEPS` steps
-(`Task.compile(autotune=...)`).
+(`Task.compile(autotune=...)`). A run is what the training will do, not
+one call: a `fit`'s training steps count the optimizer's learning-rate
+schedule (`run_steps`: `Task.compile(num_train_steps=...)`,
+`create_optimizer`'s total), so a long run fitted in pieces
+(`fit_resumable`'s checkpoint-sized fits, a benchmark's short fits) gets
+the programs of a long run from its first piece on.
 
 A training program takes 9 to 13 s to compile even so, about 0.5 s per
 encoder block and 3.5 s for the optimizer's update, while the GPU waits.
@@ -41,9 +46,9 @@ H200, 80 tokens: 3.0 s to compile against 9.1 s for the step's own
 program, and 10.9 against 8.0 ms a step. The steps run the loop
 programs (`FirstPrograms`, which runs the ahead-compiled programs
 itself), and switch to the step's own program once it is compiled, for
-the shapes a `fit` runs `OWN_PROGRAM_MIN_STEPS` steps of or more (over
-all its epochs); the others, such as a last partial batch, run on their
-loop program only.
+the shapes the run takes `OWN_PROGRAM_MIN_STEPS` steps of or more (over
+all the `fit`'s epochs, or the schedule's steps: `steps_of_shape`); the
+others, such as a last partial batch, run on their loop program only.
 All compute the same step, to float rounding; the state passes from one
 to the other. The loop programs trace first (the update first, whose
 compilation is the longest, then the first batch's shape), then the own
@@ -83,6 +88,10 @@ WORKERS = 4
 # Fewer steps than this, run by a program that the GPU would autotune,
 # compile without autotuning (see the module doc).
 AUTOTUNE_MIN_STEPS = 10_000
+
+# The total steps of `Task.compile`'s learning-rate schedule when it is
+# given no `num_train_steps` (no decay): not a run's length.
+UNKNOWN_RUN_STEPS = 10**9
 
 # XLA compiler options for programs that run few steps: no GEMM
 # autotuning, cuBLAS products chosen by its heuristics (Triton GEMMs
@@ -152,16 +161,63 @@ def _switching_often():
                 sys.setswitchinterval(_SWITCH["saved"])
 
 
+def schedule_steps(optimizer):
+    """The steps `optimizer`'s learning-rate schedule is laid out for, or
+    None: kbert's `WarmupLinearDecay` (`create_optimizer`) `total_steps`,
+    Keras' `PolynomialDecay` and `CosineDecay` (warm-up and decay steps);
+    None for a constant rate, other schedules and `UNKNOWN_RUN_STEPS`."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    if inner is None or isinstance(inner, str):
+        return None
+    schedule = keras_internals.learning_rate_object(inner)
+    schedules = keras.optimizers.schedules
+    total = getattr(schedule, "total_steps", None)
+    if total is None and isinstance(schedule, schedules.PolynomialDecay):
+        total = schedule.decay_steps
+    if total is None and isinstance(schedule, schedules.CosineDecay):
+        total = schedule.decay_steps + (getattr(schedule, "warmup_steps", 0) or 0)
+    if not isinstance(total, int) or total < 1 or total >= UNKNOWN_RUN_STEPS:
+        return None
+    return total
+
+
+def run_steps(model, steps):
+    """The training steps of the run a call of `model` of about `steps`
+    steps (None: unknown) belongs to: the steps of its optimizer's
+    schedule (`schedule_steps`), or the call's where that says more or
+    the schedule nothing."""
+    total = schedule_steps(getattr(model, "optimizer", None))
+    if total is None:
+        return steps
+    return total if steps is None else max(total, steps)
+
+
+def steps_of_shape(count, batches, epochs, run):
+    """How many steps of one batch shape a run takes: `count` of a `fit`'s
+    `batches` batches are of that shape, the `fit` runs `epochs` epochs of
+    them, and the run `run` steps (None: this `fit`'s); a run longer than
+    the `fit` (one piece of it) takes that shape in the same share."""
+    steps = count * epochs
+    fit = batches * epochs
+    if run and fit and run > fit:
+        steps = steps * run / fit
+    return steps
+
+
+def _on_gpu():
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
+
+
 def step_options(model, steps):
     """XLA compiler options for `model`'s step programs in a call that runs
     about `steps` steps (None: unknown, e.g. a `tf.data` dataset): without
     autotuning on a GPU for `autotune=False`, or for "auto" (the default)
     and fewer than `AUTOTUNE_MIN_STEPS` steps; None (XLA's defaults)
     otherwise and off a GPU."""
-    import jax
-
     autotune = getattr(model, "autotune", "auto")
-    if autotune is True or jax.devices()[0].platform != "gpu":  # TPU options differ
+    if autotune is True or not _on_gpu():  # TPU options differ
         return None
     if autotune is False or (steps is not None and steps < AUTOTUNE_MIN_STEPS):
         return dict(FAST_COMPILE_OPTIONS)
@@ -170,13 +226,16 @@ def step_options(model, steps):
 
 def plan(model, steps, kinds, replace=True):
     """Plans the compiler options (`step_options`) of `model`'s `kinds` steps
-    that Keras has not made yet, for a call of about `steps` steps; with
+    that Keras has not made yet, for a call of about `steps` steps (with
+    training steps among `kinds`: the run's, `run_steps`); with
     `replace=False`, only those not planned yet."""
     if not backend.is_jax():
         return
     if not replace:
         kinds = [k for k in kinds if not keras_internals.step_compiler_options_planned(model, k)]
     if kinds:
+        if "train" in kinds:
+            steps = run_steps(model, steps)
         options = step_options(model, steps)
         for kind in kinds:
             keras_internals.plan_step_compiler_options(model, kind, options)
@@ -684,6 +743,7 @@ class AheadCompiler(keras.callbacks.Callback):
         self.first = None  # the model's FirstPrograms, when it has first programs
         self.shapes = {}  # (step kind, shape key) -> its batches' `_shapes`
         self.update = None  # future of the loop programs' update program, made here
+        self.run = None  # the training steps of the run (`schedule_steps`), where known
 
     @property
     def owner(self):
@@ -793,8 +853,9 @@ class AheadCompiler(keras.callbacks.Callback):
         """Schedules the programs of each shape of `batches` that the `kind`
         step has none of yet, for a fit of `epochs` more epochs: training
         shapes a loop program (where the blocks can loop) and, if a fit
-        runs at least `OWN_PROGRAM_MIN_STEPS` steps of it (or it has no
-        loop program), the step's own. Traced in this order: the update
+        runs at least `OWN_PROGRAM_MIN_STEPS` steps of it (`steps_of_shape`:
+        in this `fit`, or in the run of the optimizer's schedule it is a
+        piece of; or it has no loop program), the step's own. Traced in this order: the update
         program the loop programs share (once per model; BERT-base's
         compiles for 3.5 s, the longest of the programs the first step
         waits for), the loop program of the first batch's shape, the other
@@ -829,7 +890,10 @@ class AheadCompiler(keras.callbacks.Callback):
                 self.pending[key] = kept_own
             elif ran_it:
                 continue
-            elif not loops or counts[key[1]] * epochs >= OWN_PROGRAM_MIN_STEPS:
+            elif not loops or (
+                steps_of_shape(counts[key[1]], len(batches), epochs, self.run)
+                >= OWN_PROGRAM_MIN_STEPS
+            ):
                 own_jobs.append((key, index))
             if kept_loop is not None and _succeeded(kept_loop):
                 self.first_pending[key] = kept_loop  # kept from an earlier fit
@@ -860,6 +924,7 @@ class AheadCompiler(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.log = _log_of(self.owner)
+        self.run = schedule_steps(self.owner.optimizer)  # the run this fit is part of
         self.tracer = ThreadPoolExecutor(1, thread_name_prefix="kbert-compile-trace")
         self.pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kbert-compile")
         self._submit("train", self.batches, self.epochs)

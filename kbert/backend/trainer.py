@@ -32,9 +32,13 @@ from kbert.backend import tensorflow as tf_backend
 if backend.is_torch():
     from kbert.backend import torch_ddp, torch_ops, torch_step
 
-# A `fit`, `evaluate` or `predict` of at least this many batches gets XLA's
-# autotuned programs on a GPU (see `kbert.backend.jax_compile`).
+# A training run (its optimizer's schedule, else its `fit`), `evaluate`
+# or `predict` of at least this many steps gets XLA's autotuned programs
+# on a GPU (see `kbert.backend.jax_compile`).
 AUTOTUNE_MIN_STEPS = jax_compile.AUTOTUNE_MIN_STEPS
+# The total steps of a learning-rate schedule made for a run of unknown
+# length (no decay): not a run's length.
+UNKNOWN_RUN_STEPS = jax_compile.UNKNOWN_RUN_STEPS
 
 
 class BackendTrainer(keras_internals.TrainerShims):

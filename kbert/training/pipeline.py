@@ -471,11 +471,15 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         `autotune`: on JAX with a GPU, whether XLA autotunes the matrix
         products of each step program it compiles (seconds per program,
         repaid over about 10,000 steps; see `kbert.backend.jax_compile`).
-        "auto": for a `fit`, `evaluate` or `predict` of at least
-        `kbert.backend.trainer.AUTOTUNE_MIN_STEPS` batches, or of an unknown number
-        (a `tf.data` dataset); decided when the call first makes the step
-        (after `compile`), which later calls reuse. True: always (XLA's
-        default). False: never. No effect elsewhere."""
+        "auto": for training runs of at least
+        `kbert.backend.trainer.AUTOTUNE_MIN_STEPS` steps, counted by the
+        optimizer's schedule (`num_train_steps`, or the total steps of a
+        given optimizer's schedule: a run fitted in pieces counts whole)
+        or, without one, by the `fit`; for an `evaluate` or `predict` of
+        that many batches; and for calls of unknown length (a `tf.data`
+        dataset without a schedule); decided when the call first makes the
+        step (after `compile`), which later calls reuse. True: always
+        (XLA's default). False: never. No effect elsewhere."""
         if cuda_graph not in ("auto", True, False):
             raise ValueError(f'cuda_graph must be "auto", True or False; got {cuda_graph!r}')
         if not (autotune is True or autotune is False or autotune == "auto"):
@@ -484,7 +488,8 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         self.autotune = autotune if isinstance(autotune, bool) else "auto"
         trainer.clear_step_plan(self)  # Keras' compile makes new steps
         if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
-            steps = num_train_steps or 10**9  # no decay when the length is unknown
+            # no decay when the length is unknown (nor a run length for the trainer)
+            steps = num_train_steps or trainer.UNKNOWN_RUN_STEPS
             warmup = (
                 num_warmup_steps
                 if num_warmup_steps is not None

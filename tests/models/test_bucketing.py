@@ -911,6 +911,29 @@ def test_jax_long_fit_compiles_its_main_shape_once_the_first_loop_program_has(mo
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
+def test_jax_short_fit_of_a_long_schedule_compiles_the_own_program_of_its_main_shape(monkeypatch):
+    """A short fit that is a piece of a longer run (the optimizer's schedule
+    runs 100 steps; the fit 5, as `fit_resumable`'s checkpoint-sized fits)
+    counts each shape's steps over the run: the full batches (4 of 5) get
+    their own program, the partial batch keeps its loop program."""
+    jax_compile = _fast_looping_fit(monkeypatch)
+    monkeypatch.setattr(jax_compile, "OWN_PROGRAM_MIN_STEPS", 50)
+    model, x, y = looping_task()
+    schedule = keras.optimizers.schedules.PolynomialDecay(0.05, 100)
+    model.compile(optimizer=keras.optimizers.SGD(schedule))
+    model.fit(x, y, batch_size=5, epochs=1, verbose=0, bucket_lengths=16)
+    for loop, own in jax_compile._first_programs(model).programs.values():
+        (own or loop).result(timeout=60)
+    log = jax_compile.compile_log(model)
+    assert sorted((e["shape"], e["loop"]) for e in log) == [
+        ([], True),
+        ([4, 16], True),
+        ([5, 16], False),
+        ([5, 16], True),
+    ]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
 def test_jax_traces_switch_threads_often_and_leave_the_interval_as_it_was(monkeypatch):
     """While the ahead compiler traces, Python switches threads every
     `TRACE_SWITCH_INTERVAL` (the loop's thread waits less for the GIL);

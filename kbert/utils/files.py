@@ -145,3 +145,17 @@ def _umask():
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def mismatched_file(directory, checksums, locate=os.path.join):
+    """(name, "missing" or "changed") of the first file of `checksums`
+    ({file name: sha256 hex digest}) that `directory` lacks or holds with
+    another digest; None when every file matches. `locate(directory, name)`
+    gives a file's path (e.g. `preset_file`, which refuses links)."""
+    for name, expected in checksums.items():
+        path = locate(directory, name)
+        if not os.path.isfile(path):
+            return name, "missing"
+        if sha256(path) != expected:
+            return name, "changed"
+    return None

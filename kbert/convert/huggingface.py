@@ -8,6 +8,16 @@ ALBERT checkpoints (model_type "albert": `AlbertModel`, `AlbertForPreTraining`,
 `pytorch_model.bin` is a pickle, which can run code when loaded, so it is read
 only when the caller passes `allow_pickle=True` (and then with torch's
 `weights_only=True` loader).
+
+Reading and writing share one set of tables: `HF_TO_KBERT_CONFIG` for the
+config, `EMBEDDINGS` / `BERT_BLOCK` / `ALBERT_BLOCK` / `POOLER` / `HEADS`
+for weight names, and `TASKS`, one line per kbert class with a transformers
+counterpart (its architecture, heads, pooler, and the config its head
+implies). `HuggingFaceLoader` is this format's `kbert.presets.loader_for`
+loader. A new task class with a transformers counterpart is one `TASKS`
+line (and a `HEADS` entry if its head is new); a new model type (MobileBERT,
+an encoder-decoder) is its own module with its tables and a loader, as
+`kbert.presets.loader` describes.
 """
 
 import dataclasses
@@ -221,28 +231,40 @@ EMBEDDINGS = [
 ]
 ALBERT_PROJECTION = "encoder.embedding_hidden_mapping_in"
 ALBERT_EMBEDDINGS = EMBEDDINGS + [(ALBERT_PROJECTION, "embeddings/projection", "linear")]
-# A block's names relative to the block (BERT's `encoder.layer.{i}.`, ALBERT's
-# one shared `albert_layers.0.`); query, key and value fuse into kbert's qkv.
-BERT_BLOCK = {
-    "qkv": [f"attention.self.{n}" for n in ("query", "key", "value")],
-    "names": [
-        ("attention.output.dense", "self_attention/output", "linear"),
-        ("intermediate.dense", "intermediate_dense", "linear"),
-        ("output.dense", "output_dense", "linear"),
-        ("attention.output.LayerNorm", "attention_layer_norm", "norm"),
-        ("output.LayerNorm", "output_layer_norm", "norm"),
-    ],
-}
-ALBERT_BLOCK = {
-    "qkv": [f"attention.{n}" for n in ("query", "key", "value")],
-    "names": [
-        ("attention.dense", "self_attention/output", "linear"),
-        ("ffn", "intermediate_dense", "linear"),
-        ("ffn_output", "output_dense", "linear"),
-        ("attention.LayerNorm", "attention_layer_norm", "norm"),
-        ("full_layer_layer_norm", "output_layer_norm", "norm"),
-    ],
-}
+
+
+def _block(qkv, attention_output, attention_norm, intermediate, output, output_norm):
+    """A block's names relative to the block (BERT's `encoder.layer.{i}.`,
+    ALBERT's one shared `albert_layers.0.`); query, key and value (under
+    `qkv`) fuse into kbert's one qkv projection."""
+    return {
+        "qkv": [qkv + n for n in ("query", "key", "value")],
+        "names": [
+            (attention_output, "self_attention/output", "linear"),
+            (intermediate, "intermediate_dense", "linear"),
+            (output, "output_dense", "linear"),
+            (attention_norm, "attention_layer_norm", "norm"),
+            (output_norm, "output_layer_norm", "norm"),
+        ],
+    }
+
+
+BERT_BLOCK = _block(
+    "attention.self.",
+    "attention.output.dense",
+    "attention.output.LayerNorm",
+    "intermediate.dense",
+    "output.dense",
+    "output.LayerNorm",
+)
+ALBERT_BLOCK = _block(
+    "attention.",
+    "attention.dense",
+    "attention.LayerNorm",
+    "ffn",
+    "ffn_output",
+    "full_layer_layer_norm",
+)
 ALBERT_SHARED_BLOCK = "encoder.albert_layer_groups.0.albert_layers.0."
 SHARED_LAYER = "shared_transformer_layer/"  # kbert.models.backbone.SHARED_LAYER_NAME
 _ALBERT_BLOCK_NAME = re.compile(r"encoder\.albert_layer_groups\.(\d+)\.albert_layers\.(\d+)\.")
@@ -250,30 +272,34 @@ POOLER = {  # AlbertModel's pooler is a bare Linear
     "bert": [("pooler.dense", "pooler/dense", "linear")],
     "albert": [("pooler", "pooler/dense", "linear")],
 }
+
+
+def _mlm_head(transform, bias):
+    """A masked-LM head's names: its transform's dense and LayerNorm, its output bias."""
+    return [
+        (transform + "dense", "mlm_head/transform", "linear"),
+        (transform + "LayerNorm", "mlm_head/layer_norm", "norm"),
+        (bias, "mlm_head/output_bias", "tensor"),
+    ]
+
+
 # Heads sit at the checkpoint's top level; by backbone style, then head name.
-_CLASSIFIER_HEAD = [("classifier", "logits", "linear")]
-_SPAN_HEAD = [("qa_outputs", "logits", "linear")]
+_TASK_HEADS = {
+    "classifier": [("classifier", "logits", "linear")],
+    "span": [("qa_outputs", "logits", "linear")],
+}
 HEADS = {
     "bert": {
-        "mlm": [
-            ("cls.predictions.transform.dense", "mlm_head/transform", "linear"),
-            ("cls.predictions.transform.LayerNorm", "mlm_head/layer_norm", "norm"),
-            ("cls.predictions.bias", "mlm_head/output_bias", "tensor"),
-        ],
+        "mlm": _mlm_head("cls.predictions.transform.", "cls.predictions.bias"),
         "sentence": [("cls.seq_relationship", "nsp_head/dense", "linear")],
-        "classifier": _CLASSIFIER_HEAD,
-        "span": _SPAN_HEAD,
+        **_TASK_HEADS,
     },
     "albert": {
-        # H -> E transform, LayerNorm at E, decoder tied to the E-wide embedding
-        "mlm": [
-            ("predictions.dense", "mlm_head/transform", "linear"),
-            ("predictions.LayerNorm", "mlm_head/layer_norm", "norm"),
-            ("predictions.bias", "mlm_head/output_bias", "tensor"),
-        ],
+        # H -> E transform, LayerNorm at E, decoder tied to the E-wide
+        # embedding; the sentence head predicts sentence order
+        "mlm": _mlm_head("predictions.", "predictions.bias"),
         "sentence": [("sop_classifier.classifier", "sop_head/dense", "linear")],
-        "classifier": _CLASSIFIER_HEAD,
-        "span": _SPAN_HEAD,
+        **_TASK_HEADS,
     },
 }
 # transformers' BertForMaskedLM ties its decoder's bias to cls.predictions.bias;
@@ -547,10 +573,6 @@ class HuggingFaceLoader(PresetLoader):
     def hf_state(self):
         """{Hugging Face name: array}, read once for the backbone and the heads."""
         return _normalise_names(self._read_state())
-
-    @property
-    def config_source(self):
-        return os.path.join(self.directory, self.config_file)
 
     @property
     def weights_source(self):

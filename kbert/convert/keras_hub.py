@@ -208,15 +208,12 @@ class KerasHubLoader(PresetLoader):
 
     format = "keras_hub"
     priority = 10  # before kbert presets: keras-hub presets have a metadata.json too
+    config_file = CONFIG_FILE
     vocabulary_file = VOCABULARY_FILE
 
     @classmethod
     def detect(cls, directory):
         return is_keras_hub_dir(directory)
-
-    @property
-    def config_source(self):
-        return os.path.join(self.directory, CONFIG_FILE)
 
     @property
     def weights_source(self):

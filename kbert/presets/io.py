@@ -29,10 +29,10 @@ from kbert.utils.files import (
     MAX_VOCABULARY_BYTES,
     PresetError,
     load_json,
-    mismatched_file,
     preset_file,
     save_safetensors,
     sha256,
+    verify_checksums,
 )
 from kbert.version import __version__
 
@@ -186,14 +186,16 @@ def verify_metadata(directory):
     files = metadata.get("files")
     if not isinstance(files, dict) or not files:
         raise PresetError(f"{directory}/{METADATA_FILE} lists no files")
-    mismatch = mismatched_file(directory, files, locate=preset_file)
-    if mismatch is not None and mismatch[1] == "missing":
-        raise PresetError(f"preset file {mismatch[0]!r} listed in metadata.json is missing")
-    if mismatch is not None:
-        raise PresetError(
-            f"preset file {mismatch[0]!r} does not match its checksum in metadata.json "
+    verify_checksums(
+        directory,
+        files,
+        missing=lambda name: f"preset file {name!r} listed in metadata.json is missing",
+        changed=lambda name: (
+            f"preset file {name!r} does not match its checksum in metadata.json "
             "(corrupt, truncated or modified); re-download or re-save the preset"
-        )
+        ),
+        locate=preset_file,
+    )
     return metadata
 
 

@@ -114,7 +114,9 @@ class PresetLoader:
 
     format = None
     priority = 50  # lower is asked first
-    # The vocabulary file, relative to the directory ("/" separates subfolders).
+    # The file holding the backbone config, and the vocabulary file, relative
+    # to the directory ("/" separates subfolders).
+    config_file = None
     vocabulary_file = VOCAB_FILE
 
     def __init__(self, directory, allow_pickle=False):
@@ -131,7 +133,7 @@ class PresetLoader:
     @property
     def config_source(self):
         """The file the backbone config comes from, for messages."""
-        raise NotImplementedError
+        return os.path.join(self.directory, self.config_file)
 
     @property
     def weights_source(self):
@@ -193,14 +195,11 @@ class KbertPresetLoader(PresetLoader):
 
     format = "kbert"
     priority = 90  # after keras-hub, whose presets also have a metadata.json
+    config_file = io.CONFIG_FILE
 
     @classmethod
     def detect(cls, directory):
         return io.is_kbert_preset(directory)
-
-    @property
-    def config_source(self):
-        return os.path.join(self.directory, io.CONFIG_FILE)
 
     @property
     def weights_source(self):

@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 
-from kbert.utils.files import PresetError, mismatched_file
+from kbert.utils.files import PresetError, verify_checksums
 from kbert.utils.naming import closest
 
 SCHEME = "hf://"
@@ -240,15 +240,16 @@ def _mirror(snapshot, repo_id):
 
 
 def _verify(preset, directory, checksums):
-    mismatch = mismatched_file(directory, checksums)
-    if mismatch is not None and mismatch[1] == "missing":
-        raise PresetError(f"preset {preset!r} has no file {mismatch[0]!r}, which the registry pins")
-    if mismatch is not None:
-        raise PresetError(
-            f"preset {preset!r}: {mismatch[0]} does not match its sha256 in the registry "
+    verify_checksums(
+        directory,
+        checksums,
+        missing=lambda name: f"preset {preset!r} has no file {name!r}, which the registry pins",
+        changed=lambda name: (
+            f"preset {preset!r}: {name} does not match its sha256 in the registry "
             "(changed upstream, or a corrupt download); delete it from the Hugging Face "
             "cache (`hf cache delete`) and $KBERT_CACHE/hub, then retry"
-        )
+        ),
+    )
 
 
 def upload_preset(preset, handle, token=None, private=None, commit_message=None):

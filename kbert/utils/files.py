@@ -147,15 +147,15 @@ def _umask():
     return mask
 
 
-def mismatched_file(directory, checksums, locate=os.path.join):
-    """(name, "missing" or "changed") of the first file of `checksums`
-    ({file name: sha256 hex digest}) that `directory` lacks or holds with
-    another digest; None when every file matches. `locate(directory, name)`
-    gives a file's path (e.g. `preset_file`, which refuses links)."""
+def verify_checksums(directory, checksums, missing, changed, locate=os.path.join):
+    """Raises `PresetError(missing(name))` for the first file of `checksums`
+    ({file name: sha256 hex digest}) that `directory` lacks, or
+    `PresetError(changed(name))` for one with another digest.
+    `locate(directory, name)` gives a file's path (e.g. `preset_file`,
+    which refuses links)."""
     for name, expected in checksums.items():
         path = locate(directory, name)
         if not os.path.isfile(path):
-            return name, "missing"
+            raise PresetError(missing(name))
         if sha256(path) != expected:
-            return name, "changed"
-    return None
+            raise PresetError(changed(name))

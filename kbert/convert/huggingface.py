@@ -8,8 +8,20 @@ ALBERT checkpoints (model_type "albert": `AlbertModel`, `AlbertForPreTraining`,
 `pytorch_model.bin` is a pickle, which can run code when loaded, so it is read
 only when the caller passes `allow_pickle=True` (and then with torch's
 `weights_only=True` loader).
+
+Reading and writing share one set of tables: `HF_TO_KBERT_CONFIG` for the
+config, `EMBEDDINGS` / `BERT_BLOCK` / `ALBERT_BLOCK` / `POOLER` / `HEADS`
+for weight names, and `TASKS`, one line per kbert class with a transformers
+counterpart (its architecture, heads, pooler, and the config its head
+implies). `HuggingFaceLoader` is this format's `kbert.presets.loader_for`
+loader. A new task class with a transformers counterpart is one `TASKS`
+line (and a `HEADS` entry if its head is new); a new model type (MobileBERT,
+an encoder-decoder) is its own module with its tables and a loader, as
+`kbert.presets.loader` describes.
 """
 
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -17,11 +29,9 @@ import re
 
 import numpy as np
 
-from kbert.convert import tf_checkpoint
 from kbert.layers.activations import canonical_activation
-from kbert.presets.architectures import check_backbone_config
 from kbert.presets.io import PresetError, preset_file, read_json, safetensors_shapes
-from kbert.presets.weights import held_sizes
+from kbert.presets.loader import PresetLoader, TaskHead, register_format
 from kbert.utils.files import save_safetensors
 
 logger = logging.getLogger("kbert")
@@ -40,18 +50,6 @@ HF_TO_KBERT_CONFIG = {
     "layer_norm_eps": "layer_norm_epsilon",
     "initializer_range": "initializer_range",
 }
-
-
-def is_huggingface_dir(directory):
-    """A Hugging Face BERT directory, or an original TF checkpoint directory
-    (both are read through this module)."""
-    if tf_checkpoint.is_tf_checkpoint_dir(directory):
-        return True
-    if not os.path.lexists(os.path.join(directory, "config.json")) or os.path.lexists(
-        os.path.join(directory, "metadata.json")
-    ):
-        return False
-    return "model_type" in read_json(directory, "config.json")
 
 
 # transformers' AlbertConfig defaults where they differ from kbert's.
@@ -210,36 +208,135 @@ def _prefix(state):
     raise PresetError("the checkpoint has no embeddings.word_embeddings.weight: not a BERT")
 
 
-# A block's Hugging Face names (relative to the block) -> kbert's, for BERT's
-# `encoder.layer.{i}` and ALBERT's shared `albert_layers.0`.
-BERT_BLOCK = {
-    "qkv": [f"attention.self.{n}" for n in ("query", "key", "value")],
-    "dense": [
-        ("attention.output.dense", "self_attention/output"),
-        ("intermediate.dense", "intermediate_dense"),
-        ("output.dense", "output_dense"),
-    ],
-    "layer_norm": [
-        ("attention.output.LayerNorm", "attention_layer_norm"),
-        ("output.LayerNorm", "output_layer_norm"),
-    ],
+# --- name tables: one per part of the model, read and written alike ---------
+#
+# An entry is (Hugging Face name, kbert path, kind): "linear" is a torch
+# Linear (`.weight`, (out, in): the transpose of kbert's `/kernel`; `.bias`),
+# "norm" a LayerNorm (`.weight`, `.bias` <-> `/gamma`, `/beta`), "tensor" one
+# array as it is. `tensors` expands a table into its arrays.
+_KINDS = {
+    "linear": [(".weight", "/kernel", True), (".bias", "/bias", False)],
+    "norm": [(".weight", "/gamma", False), (".bias", "/beta", False)],
+    "tensor": [("", "", False)],
 }
-ALBERT_BLOCK = {
-    "qkv": [f"attention.{n}" for n in ("query", "key", "value")],
-    "dense": [
-        ("attention.dense", "self_attention/output"),
-        ("ffn", "intermediate_dense"),
-        ("ffn_output", "output_dense"),
-    ],
-    "layer_norm": [
-        ("attention.LayerNorm", "attention_layer_norm"),
-        ("full_layer_layer_norm", "output_layer_norm"),
-    ],
-}
-ALBERT_SHARED_BLOCK = "encoder.albert_layer_groups.0.albert_layers.0."
+EMBEDDINGS = [
+    ("embeddings.word_embeddings.weight", "embeddings/token_embedding/embeddings", "tensor"),
+    (
+        "embeddings.token_type_embeddings.weight",
+        "embeddings/segment_embedding/embeddings",
+        "tensor",
+    ),
+    ("embeddings.position_embeddings.weight", "embeddings/position_embeddings", "tensor"),
+    ("embeddings.LayerNorm", "embeddings/layer_norm", "norm"),
+]
 ALBERT_PROJECTION = "encoder.embedding_hidden_mapping_in"
+ALBERT_EMBEDDINGS = EMBEDDINGS + [(ALBERT_PROJECTION, "embeddings/projection", "linear")]
+
+
+def _block(qkv, attention_output, attention_norm, intermediate, output, output_norm):
+    """A block's names relative to the block (BERT's `encoder.layer.{i}.`,
+    ALBERT's one shared `albert_layers.0.`); query, key and value (under
+    `qkv`) fuse into kbert's one qkv projection."""
+    return {
+        "qkv": [qkv + n for n in ("query", "key", "value")],
+        "names": [
+            (attention_output, "self_attention/output", "linear"),
+            (intermediate, "intermediate_dense", "linear"),
+            (output, "output_dense", "linear"),
+            (attention_norm, "attention_layer_norm", "norm"),
+            (output_norm, "output_layer_norm", "norm"),
+        ],
+    }
+
+
+BERT_BLOCK = _block(
+    "attention.self.",
+    "attention.output.dense",
+    "attention.output.LayerNorm",
+    "intermediate.dense",
+    "output.dense",
+    "output.LayerNorm",
+)
+ALBERT_BLOCK = _block(
+    "attention.",
+    "attention.dense",
+    "attention.LayerNorm",
+    "ffn",
+    "ffn_output",
+    "full_layer_layer_norm",
+)
+ALBERT_SHARED_BLOCK = "encoder.albert_layer_groups.0.albert_layers.0."
 SHARED_LAYER = "shared_transformer_layer/"  # kbert.models.backbone.SHARED_LAYER_NAME
 _ALBERT_BLOCK_NAME = re.compile(r"encoder\.albert_layer_groups\.(\d+)\.albert_layers\.(\d+)\.")
+POOLER = {  # AlbertModel's pooler is a bare Linear
+    "bert": [("pooler.dense", "pooler/dense", "linear")],
+    "albert": [("pooler", "pooler/dense", "linear")],
+}
+
+
+def _mlm_head(transform, bias):
+    """A masked-LM head's names: its transform's dense and LayerNorm, its output bias."""
+    return [
+        (transform + "dense", "mlm_head/transform", "linear"),
+        (transform + "LayerNorm", "mlm_head/layer_norm", "norm"),
+        (bias, "mlm_head/output_bias", "tensor"),
+    ]
+
+
+# Heads sit at the checkpoint's top level; by backbone style, then head name.
+_TASK_HEADS = {
+    "classifier": [("classifier", "logits", "linear")],
+    "span": [("qa_outputs", "logits", "linear")],
+}
+HEADS = {
+    "bert": {
+        "mlm": _mlm_head("cls.predictions.transform.", "cls.predictions.bias"),
+        "sentence": [("cls.seq_relationship", "nsp_head/dense", "linear")],
+        **_TASK_HEADS,
+    },
+    "albert": {
+        # H -> E transform, LayerNorm at E, decoder tied to the E-wide
+        # embedding; the sentence head predicts sentence order
+        "mlm": _mlm_head("predictions.", "predictions.bias"),
+        "sentence": [("sop_classifier.classifier", "sop_head/dense", "linear")],
+        **_TASK_HEADS,
+    },
+}
+# transformers' BertForMaskedLM ties its decoder's bias to cls.predictions.bias;
+# written under both names for its loader, read from the first.
+WRITTEN_TWICE = {"cls.predictions.bias": "cls.predictions.decoder.bias"}
+
+
+def tensors(table, theirs="", ours=""):
+    """[(Hugging Face name, kbert path, transposed)] of the arrays of a name
+    table, under the name prefixes `theirs` and `ours`."""
+    return [
+        (theirs + hf + hf_suffix, ours + path + suffix, transposed)
+        for hf, path, kind in table
+        for hf_suffix, suffix, transposed in _KINDS[kind]
+    ]
+
+
+def read_table(table, get, theirs="", ours=""):
+    """{kbert path: array} of a name table; `get(name, transposed)` reads one array."""
+    return {path: get(name, transposed) for name, path, transposed in tensors(table, theirs, ours)}
+
+
+def write_table(table, weights, theirs="", ours=""):
+    """{Hugging Face name: array} of a name table from {kbert path: array}."""
+    return {
+        name: weights[path].T if transposed else weights[path]
+        for name, path, transposed in tensors(table, theirs, ours)
+    }
+
+
+def _blocks(albert, num_layers):
+    """(Hugging Face prefix, kbert prefix, block table) of each block."""
+    if albert:
+        return [(ALBERT_SHARED_BLOCK, SHARED_LAYER, ALBERT_BLOCK)]
+    return [
+        (f"encoder.layer.{i}.", f"transformer_layer_{i}/", BERT_BLOCK) for i in range(num_layers)
+    ]
 
 
 def _is_albert(state):
@@ -261,40 +358,40 @@ def backbone_weights_from_hf(state, num_layers):
         used.add(key)
         return state[key].T if transpose else state[key]
 
-    def block(hf, ours, names):
-        qkv = names["qkv"]
-        w[ours + "self_attention/qkv/kernel"] = np.concatenate(
-            [get(hf + n + ".weight", True) for n in qkv], axis=1
-        )
-        w[ours + "self_attention/qkv/bias"] = np.concatenate([get(hf + n + ".bias") for n in qkv])
-        for theirs, mine in names["dense"]:
-            w[ours + mine + "/kernel"] = get(hf + theirs + ".weight", True)
-            w[ours + mine + "/bias"] = get(hf + theirs + ".bias")
-        for theirs, mine in names["layer_norm"]:
-            w[ours + mine + "/gamma"] = get(hf + theirs + ".weight")
-            w[ours + mine + "/beta"] = get(hf + theirs + ".bias")
-
-    w = {
-        "embeddings/token_embedding/embeddings": get("embeddings.word_embeddings.weight"),
-        "embeddings/segment_embedding/embeddings": get("embeddings.token_type_embeddings.weight"),
-        "embeddings/position_embeddings": get("embeddings.position_embeddings.weight"),
-        "embeddings/layer_norm/gamma": get("embeddings.LayerNorm.weight"),
-        "embeddings/layer_norm/beta": get("embeddings.LayerNorm.bias"),
-    }
-    if _is_albert(state):
+    albert = _is_albert(state)
+    if albert:
         _check_albert_groups(state)
-        w["embeddings/projection/kernel"] = get(ALBERT_PROJECTION + ".weight", True)
-        w["embeddings/projection/bias"] = get(ALBERT_PROJECTION + ".bias")
-        block(ALBERT_SHARED_BLOCK, SHARED_LAYER, ALBERT_BLOCK)
-        pooler = "pooler."  # AlbertModel's pooler is a bare Linear
-    else:
-        for i in range(num_layers):
-            block(f"encoder.layer.{i}.", f"transformer_layer_{i}/", BERT_BLOCK)
-        pooler = "pooler.dense."
-    if p + pooler + "weight" in state:
-        w["pooler/dense/kernel"] = get(pooler + "weight", True)
-        w["pooler/dense/bias"] = get(pooler + "bias")
+    w = read_table(ALBERT_EMBEDDINGS if albert else EMBEDDINGS, get)
+    for theirs, ours, block in _blocks(albert, num_layers):
+        qkv = block["qkv"]
+        w[ours + "self_attention/qkv/kernel"] = np.concatenate(
+            [get(theirs + n + ".weight", True) for n in qkv], axis=1
+        )
+        w[ours + "self_attention/qkv/bias"] = np.concatenate(
+            [get(theirs + n + ".bias") for n in qkv]
+        )
+        w.update(read_table(block["names"], get, theirs, ours))
+    pooler = POOLER["albert" if albert else "bert"]
+    if p + tensors(pooler)[0][0] in state:
+        w.update(read_table(pooler, get))
     return w, used
+
+
+def backbone_state_to_hf(backbone, prefix=""):
+    """kbert backbone weights -> Hugging Face BertModel names, or AlbertModel
+    names for a backbone with `embedding_dim` and `share_layers` (numpy)."""
+    w = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in backbone.weights}
+    h = backbone.hidden_dim
+    albert = is_albert_style(backbone)
+    out = write_table(ALBERT_EMBEDDINGS if albert else EMBEDDINGS, w)
+    for theirs, ours, block in _blocks(albert, backbone.num_layers):
+        kernel, bias = w[ours + "self_attention/qkv/kernel"], w[ours + "self_attention/qkv/bias"]
+        for j, name in enumerate(block["qkv"]):
+            out[theirs + name + ".weight"] = kernel[:, j * h : (j + 1) * h].T
+            out[theirs + name + ".bias"] = bias[j * h : (j + 1) * h]
+        out.update(write_table(block["names"], w, theirs, ours))
+    out.update(write_table(POOLER["albert" if albert else "bert"], w))
+    return {prefix + k: v for k, v in out.items()}
 
 
 def _check_albert_groups(names):
@@ -309,27 +406,18 @@ def _check_albert_groups(names):
             )
 
 
-_HF_EMBEDDINGS = {
-    "embeddings.word_embeddings.weight": "embeddings/token_embedding/embeddings",
-    "embeddings.position_embeddings.weight": "embeddings/position_embeddings",
-    "embeddings.token_type_embeddings.weight": "embeddings/segment_embedding/embeddings",
-}
-
-
 def backbone_shapes_from_hf(shapes):
     """{kbert path: shape} for the embedding tables and blocks of a Hugging
     Face state dict's {name: shape}: what `held_sizes` needs to bound a config."""
     p = _prefix(shapes)
+    albert = _is_albert(shapes)
     out = {
-        ours: tuple(shapes[p + theirs])
-        for theirs, ours in _HF_EMBEDDINGS.items()
-        if p + theirs in shapes
+        path: tuple(shapes[p + name])[:: -1 if transposed else 1]
+        for name, path, transposed in tensors(ALBERT_EMBEDDINGS if albert else EMBEDDINGS)
+        if p + name in shapes
     }
-    if _is_albert(shapes):
+    if albert:
         _check_albert_groups(shapes)
-        projection = shapes.get(p + ALBERT_PROJECTION + ".weight")
-        if projection is not None:  # torch Linear: (out, in)
-            out["embeddings/projection/kernel"] = tuple(projection)[::-1]
         for name, shape in shapes.items():
             if name.startswith(p + ALBERT_SHARED_BLOCK):
                 rest = name[len(p + ALBERT_SHARED_BLOCK) :]
@@ -351,128 +439,200 @@ def backbone_shapes_from_hf(shapes):
     return out
 
 
-def _read_config(directory):
-    """(HF-style config, the file it came from) for a Hugging Face directory
-    or an original TensorFlow checkpoint directory."""
-    if tf_checkpoint.is_tf_checkpoint_dir(directory):
-        return tf_checkpoint.read_config(directory), os.path.join(
-            directory, tf_checkpoint.CONFIG_FILE
-        )
-    return read_json(directory, "config.json"), os.path.join(directory, "config.json")
-
-
-def _config_and_state(directory, allow_pickle=False):
-    """(HF-style config, HF-style state dict) for a Hugging Face directory
-    or an original TensorFlow checkpoint directory."""
-    config, _ = _read_config(directory)
-    if tf_checkpoint.is_tf_checkpoint_dir(directory):
-        return config, _normalise_names(tf_checkpoint.read_state(directory))
-    return config, _normalise_names(load_state_dict(directory, allow_pickle=allow_pickle))
-
-
-def read_backbone(directory, load_weights=True, allow_pickle=False):
-    """(kbert backbone config, {kbert path: array} or None, weight path
-    prefixes the checkpoint may lack) from a Hugging Face BERT directory or
-    an original TF checkpoint directory. Refuses other models, and configs
-    that do not match the weights' shapes, before reading any weight data."""
-    hf_config, source = _read_config(directory)
-    config = backbone_config_from_hf(hf_config, source)
-    if not load_weights:
-        check_backbone_config(config, source, load_weights=False)
-        return config, None, ()
-    if tf_checkpoint.is_tf_checkpoint_dir(directory):
-        shapes = tf_checkpoint.read_shapes(directory)
-    else:
-        shapes = weight_shapes(directory, allow_pickle)
-    held = held_sizes(backbone_shapes_from_hf(shapes))
-    check_backbone_config(config, source, held)
-    if "num_layers" in held and config["num_layers"] < held["num_layers"]:
-        logger.warning(
-            "%s: the config asks for %d layers; the checkpoint's last %d are unused",
-            source,
-            config["num_layers"],
-            held["num_layers"] - config["num_layers"],
-        )
-    state = _config_and_state(directory, allow_pickle)[1]
-    weights, _ = backbone_weights_from_hf(state, config["num_layers"])
-    if "pooler/dense/kernel" in weights:
-        return config, weights, ()
-    logger.warning("%s has no pooler weights; the pooler is freshly initialised", directory)
-    return config, weights, ("pooler/",)
-
-
-def _pretraining_head_weights(name, state, mlm, sentence, sentence_head):
-    """kbert head paths -> arrays for a masked-LM head and, for a
-    pre-trainer, its sentence head (NSP or SOP).
-
-    `mlm`: (prefix of the transform's `dense` and `LayerNorm` keys, key of
-    the output bias); `sentence`: prefix of the sentence head's keys;
-    `sentence_head`: its kbert layer name."""
-    transform, bias = mlm
-    needed = [f"{transform}dense.weight", bias]
-    if not all(k in state for k in needed):
+def _read_head(table, state):
+    """{kbert path: array} of one head, None when the checkpoint has none of it."""
+    names = tensors(table)
+    missing = [name for name, _, _ in names if name not in state]
+    if len(missing) == len(names):
         return None
-    w = {
-        "mlm_head/transform/kernel": state[f"{transform}dense.weight"].T,
-        "mlm_head/transform/bias": state[f"{transform}dense.bias"],
-        "mlm_head/layer_norm/gamma": state[f"{transform}LayerNorm.weight"],
-        "mlm_head/layer_norm/beta": state[f"{transform}LayerNorm.bias"],
-        "mlm_head/output_bias": state[bias],
-    }
-    if name == "BertPreTrainer":
-        if f"{sentence}weight" not in state:
-            return None
-        w[f"{sentence_head}/dense/kernel"] = state[f"{sentence}weight"].T
-        w[f"{sentence_head}/dense/bias"] = state[f"{sentence}bias"]
-    return w
+    if missing:
+        raise PresetError(
+            f"the checkpoint holds part of a head ({names[0][0]!r}) but lacks {missing}"
+        )
+    return read_table(table, lambda name, transposed: state[name].T if transposed else state[name])
 
 
-def _head_weights(name, state):
-    """kbert head paths -> arrays for the heads a Hugging Face checkpoint has."""
-    if name in ("BertPreTrainer", "BertMaskedLM") and _is_albert(state):
-        # ALBERT: H -> E transform, LayerNorm at E, decoder tied to the
-        # E-wide embedding; sentence-order head
-        mlm = ("predictions.", "predictions.bias")
-        return _pretraining_head_weights(name, state, mlm, "sop_classifier.classifier.", "sop_head")
-    if name in ("BertPreTrainer", "BertMaskedLM"):
-        mlm = ("cls.predictions.transform.", "cls.predictions.bias")
-        return _pretraining_head_weights(name, state, mlm, "cls.seq_relationship.", "nsp_head")
-    if name in ("BertClassifier", "BertTokenClassifier", "BertMultipleChoice"):
-        if "classifier.weight" not in state:
-            return None
-        return {
-            "logits/kernel": state["classifier.weight"].T,
-            "logits/bias": state["classifier.bias"],
-        }
-    if name == "BertQuestionAnswerer":
-        if "qa_outputs.weight" not in state:
-            return None
-        return {
-            "logits/kernel": state["qa_outputs.weight"].T,
-            "logits/bias": state["qa_outputs.bias"],
-        }
-    return None
-
-
-def sentence_task(directory):
-    """ "sop" for a Hugging Face ALBERT directory (its pre-training head
-    predicts sentence order), "nsp" for other Hugging Face directories,
-    None for anything else."""
-    if tf_checkpoint.is_tf_checkpoint_dir(directory):
-        return "nsp"
-    if not is_huggingface_dir(directory):
-        return None
-    return "sop" if read_json(directory, "config.json").get("model_type") == "albert" else "nsp"
-
-
-def read_task_head(class_name, directory, allow_pickle=False):
+def head_weights(class_name, state):
     """{kbert head path: array} of the `class_name` head (e.g.
-    "BertClassifier") a Hugging Face checkpoint holds, or None when the
-    directory is not a Hugging Face one or has no such head."""
-    if not is_huggingface_dir(directory):
+    "BertClassifier") a (normalised) Hugging Face state dict holds, or None."""
+    task = TASKS.get(class_name)
+    if task is None or not task.heads:
         return None
-    _, state = _config_and_state(directory, allow_pickle=allow_pickle)
-    return _head_weights(class_name, state)
+    style = "albert" if _is_albert(state) else "bert"
+    weights = {}
+    for head in task.heads:
+        found = _read_head(HEADS[style][head], state)
+        if found is None:
+            return None
+        weights.update(found)
+    return weights
+
+
+# --- kbert classes and their transformers counterparts ------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTask:
+    """A kbert model class as transformers holds it, for reading and writing.
+
+    architecture: str. its BERT class; the ALBERT class is the same name with
+        "Albert" for "Bert" (`BertForMaskedLM` -> `AlbertForMaskedLM`).
+    heads: tuple. its heads, names in `HEADS`.
+    pooler: bool. transformers builds the model with the backbone's pooler.
+    num_labels: bool. config.json's num_labels is the head's num_classes.
+    regression: bool. num_classes=1 is transformers' "regression" problem_type.
+    config: {"bert" or "albert": {argument: value}}. constructor arguments
+        that the checkpoint's head implies (checked on export).
+    """
+
+    architecture: str
+    heads: tuple = ()
+    pooler: bool = True
+    num_labels: bool = False
+    regression: bool = False
+    config: dict = dataclasses.field(default_factory=dict)
+
+
+# One line per kbert class that has a transformers counterpart. The first
+# class listed for an architecture is the one that architecture loads as.
+TASKS = {
+    "BertBackbone": HFTask("BertModel"),
+    "BertPreTrainer": HFTask(
+        "BertForPreTraining",
+        heads=("mlm", "sentence"),
+        config={"bert": {"sentence_task": "nsp"}, "albert": {"sentence_task": "sop"}},
+    ),
+    "BertMaskedLM": HFTask("BertForMaskedLM", heads=("mlm",), pooler=False),
+    "BertClassifier": HFTask(
+        "BertForSequenceClassification", heads=("classifier",), num_labels=True, regression=True
+    ),
+    "BertTokenClassifier": HFTask(
+        "BertForTokenClassification", heads=("classifier",), pooler=False, num_labels=True
+    ),
+    "BertQuestionAnswerer": HFTask("BertForQuestionAnswering", heads=("span",), pooler=False),
+    "BertMultipleChoice": HFTask("BertForMultipleChoice", heads=("classifier",)),
+    "BertTextEmbedder": HFTask("BertModel"),
+}
+
+
+def architecture(task, albert):
+    """The transformers class name of an `HFTask` for a BERT or ALBERT backbone."""
+    return task.architecture.replace("Bert", "Albert", 1) if albert else task.architecture
+
+
+CLASS_OF_ARCHITECTURE = {}  # transformers class name -> kbert class name
+for _name, _task in TASKS.items():
+    for _albert in (False, True):
+        CLASS_OF_ARCHITECTURE.setdefault(architecture(_task, _albert), _name)
+
+
+def _task_config(task_cls, style):
+    """Constructor arguments the checkpoint implies for `task_cls` (or the
+    nearest class it derives from that has a counterpart)."""
+    for cls in task_cls.__mro__:
+        if cls.__name__ in TASKS:
+            return dict(TASKS[cls.__name__].config.get(style, {}))
+    return {}
+
+
+# --- the loader -------------------------------------------------------------
+
+
+class HuggingFaceLoader(PresetLoader):
+    """A Hugging Face BERT or ALBERT directory (config.json with a
+    model_type, and no kbert metadata.json). Subclasses read other files into
+    the same Hugging Face names (`kbert.convert.tf_checkpoint`)."""
+
+    format = "huggingface"
+    priority = 30
+    config_file = "config.json"
+
+    @classmethod
+    def detect(cls, directory):
+        if not os.path.lexists(os.path.join(directory, "config.json")) or os.path.lexists(
+            os.path.join(directory, "metadata.json")
+        ):
+            return False
+        return "model_type" in read_json(directory, "config.json")
+
+    def _read_config(self):
+        return read_json(self.directory, self.config_file)
+
+    def _read_shapes(self):
+        return weight_shapes(self.directory, self.allow_pickle)
+
+    def _read_state(self):
+        return load_state_dict(self.directory, allow_pickle=self.allow_pickle)
+
+    @functools.cached_property
+    def hf_config(self):
+        """The config in Hugging Face names."""
+        return self._read_config()
+
+    @functools.cached_property
+    def hf_state(self):
+        """{Hugging Face name: array}, read once for the backbone and the heads."""
+        return _normalise_names(self._read_state())
+
+    @property
+    def weights_source(self):
+        return f"Hugging Face weights in {self.directory}"
+
+    def backbone_config(self):
+        return backbone_config_from_hf(self.hf_config, self.config_source)
+
+    def held_shapes(self):
+        return backbone_shapes_from_hf(self._read_shapes())
+
+    def check_held(self, config, held):
+        if "num_layers" in held and config["num_layers"] < held["num_layers"]:
+            logger.warning(
+                "%s: the config asks for %d layers; the checkpoint's last %d are unused",
+                self.config_source,
+                config["num_layers"],
+                held["num_layers"] - config["num_layers"],
+            )
+
+    def backbone_weights(self, config):
+        weights, _ = backbone_weights_from_hf(self.hf_state, config["num_layers"])
+        if "pooler/dense/kernel" not in weights:
+            logger.warning(
+                "%s has no pooler weights; the pooler is freshly initialised", self.directory
+            )
+        return weights
+
+    def optional_weights(self, weights):
+        return () if "pooler/dense/kernel" in weights else ("pooler/",)
+
+    def _style(self):
+        return "albert" if self.hf_config.get("model_type") == "albert" else "bert"
+
+    def task_head(self, task_cls, load_weights=True):
+        return TaskHead(
+            _task_config(task_cls, self._style()),
+            head_weights(task_cls.__name__, self.hf_state) if load_weights else None,
+            source=f"Hugging Face head in {self.directory}",
+            exact=True,
+        )
+
+    def held_model(self):
+        """The architecture's kbert class; a classifier's classes are counted
+        from its head's weights."""
+        architectures = self.hf_config.get("architectures") or ["BertModel"]
+        if not isinstance(architectures, list) or not isinstance(architectures[0], str):
+            raise PresetError(f"{self.config_source}: architectures must be a list of names")
+        name = CLASS_OF_ARCHITECTURE.get(architectures[0], "BertBackbone")
+        task = TASKS[name]
+        if not task.num_labels:
+            return name, {}
+        head = tensors(HEADS[self._style()][task.heads[0]])[0][0]
+        shape = self._read_shapes().get(head)
+        if shape is None or len(shape) != 2:
+            raise PresetError(f"{self.directory} is a {architectures[0]} without a {head} matrix")
+        return name, {"num_classes": int(shape[0])}
+
+
+register_format(HuggingFaceLoader)
 
 
 KBERT_TO_HF_ACTIVATION = {
@@ -482,55 +642,6 @@ KBERT_TO_HF_ACTIVATION = {
     "tanh": "tanh",
     "silu": "silu",
 }
-HF_ARCHITECTURES = {
-    "BertBackbone": "BertModel",
-    "BertPreTrainer": "BertForPreTraining",
-    "BertMaskedLM": "BertForMaskedLM",
-    "BertClassifier": "BertForSequenceClassification",
-    "BertTokenClassifier": "BertForTokenClassification",
-    "BertQuestionAnswerer": "BertForQuestionAnswering",
-    "BertMultipleChoice": "BertForMultipleChoice",
-    "BertTextEmbedder": "BertModel",
-}
-
-
-def backbone_state_to_hf(backbone, prefix=""):
-    """kbert backbone weights -> Hugging Face BertModel names, or AlbertModel
-    names for a backbone with `embedding_dim` and `share_layers` (numpy)."""
-    w = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in backbone.weights}
-    h = backbone.hidden_dim
-    out = {
-        "embeddings.word_embeddings.weight": w["embeddings/token_embedding/embeddings"],
-        "embeddings.token_type_embeddings.weight": w["embeddings/segment_embedding/embeddings"],
-        "embeddings.position_embeddings.weight": w["embeddings/position_embeddings"],
-        "embeddings.LayerNorm.weight": w["embeddings/layer_norm/gamma"],
-        "embeddings.LayerNorm.bias": w["embeddings/layer_norm/beta"],
-    }
-
-    def block(ours, hf, names):
-        kernel, bias = w[ours + "self_attention/qkv/kernel"], w[ours + "self_attention/qkv/bias"]
-        for j, name in enumerate(names["qkv"]):
-            out[hf + name + ".weight"] = kernel[:, j * h : (j + 1) * h].T
-            out[hf + name + ".bias"] = bias[j * h : (j + 1) * h]
-        for theirs, mine in names["dense"]:
-            out[hf + theirs + ".weight"] = w[ours + mine + "/kernel"].T
-            out[hf + theirs + ".bias"] = w[ours + mine + "/bias"]
-        for theirs, mine in names["layer_norm"]:
-            out[hf + theirs + ".weight"] = w[ours + mine + "/gamma"]
-            out[hf + theirs + ".bias"] = w[ours + mine + "/beta"]
-
-    if is_albert_style(backbone):
-        out[ALBERT_PROJECTION + ".weight"] = w["embeddings/projection/kernel"].T
-        out[ALBERT_PROJECTION + ".bias"] = w["embeddings/projection/bias"]
-        block(SHARED_LAYER, ALBERT_SHARED_BLOCK, ALBERT_BLOCK)
-        out["pooler.weight"] = w["pooler/dense/kernel"].T
-        out["pooler.bias"] = w["pooler/dense/bias"]
-    else:
-        for i in range(backbone.num_layers):
-            block(f"transformer_layer_{i}/", f"encoder.layer.{i}.", BERT_BLOCK)
-        out["pooler.dense.weight"] = w["pooler/dense/kernel"].T
-        out["pooler.dense.bias"] = w["pooler/dense/bias"]
-    return {prefix + k: v for k, v in out.items()}
 
 
 def is_albert_style(backbone):
@@ -562,8 +673,9 @@ def export_to_huggingface(model, directory, preprocessor=None):
             write; defaults to the one attached to `model`.
     """
     name = type(model).__name__
-    if name not in HF_ARCHITECTURES:
+    if name not in TASKS:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
+    task = TASKS[name]
     from kbert.layers.quantization import quantized_layers
 
     quantized = quantized_layers(model)
@@ -574,94 +686,39 @@ def export_to_huggingface(model, directory, preprocessor=None):
             "BERT holds float weights; export the float model (before `quantize`), and "
             "quantize after loading it there"
         )
-    backbone = model if name == "BertBackbone" else model.backbone
+    backbone = getattr(model, "backbone", model)
     albert = is_albert_style(backbone)
-    task = getattr(model, "sentence_task", None)
-    if name == "BertPreTrainer" and task != ("sop" if albert else "nsp"):
-        raise ValueError(
-            f"this BertPreTrainer predicts {task.upper()}, but "
-            + ("AlbertForPreTraining's head is SOP" if albert else "BertForPreTraining's is NSP")
-            + "; export its backbone, or save it as a kbert preset"
-        )
+    style = "albert" if albert else "bert"
+    hf_architecture = architecture(task, albert)
+    for key, value in task.config.get(style, {}).items():
+        if getattr(model, key, None) != value:
+            raise ValueError(
+                f"this {name} has {key}={getattr(model, key, None)!r}, but {hf_architecture}'s "
+                f"head needs {key}={value!r}; export its backbone, or save it as a kbert preset"
+            )
     os.makedirs(directory, exist_ok=True)
-    architecture = HF_ARCHITECTURES[name]
-    if albert:
-        architecture = architecture.replace("Bert", "Albert")
-    prefix = "" if architecture.endswith("Model") else ("albert." if albert else "bert.")
+    prefix = "" if hf_architecture.endswith("Model") else f"{style}."
     state = backbone_state_to_hf(backbone, prefix)
-    config = {
-        "architectures": [architecture],
-        "model_type": "albert" if albert else "bert",
-        "vocab_size": backbone.vocabulary_size,
-        "hidden_size": backbone.hidden_dim,
-        "num_hidden_layers": backbone.num_layers,
-        "num_attention_heads": backbone.num_heads,
-        "intermediate_size": backbone.intermediate_dim,
-        "max_position_embeddings": backbone.max_sequence_length,
-        "type_vocab_size": backbone.type_vocab_size,
-        "hidden_dropout_prob": backbone.dropout,
-        "attention_probs_dropout_prob": backbone.attention_dropout,
-        "hidden_act": KBERT_TO_HF_ACTIVATION[backbone.activation],
-        "layer_norm_eps": backbone.layer_norm_epsilon,
-        "initializer_range": backbone.initializer_range,
-        "position_embedding_type": "absolute",
-        "pad_token_id": 0,
-    }
+    if not task.pooler:  # transformers builds this model without one
+        state = {k: v for k, v in state.items() if not k.startswith(prefix + "pooler.")}
+    heads = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights}
+    for head in task.heads:
+        written = write_table(HEADS[style][head], heads)
+        state.update(written)
+        state.update({WRITTEN_TWICE[k]: v for k, v in written.items() if k in WRITTEN_TWICE})
+    config = {"architectures": [hf_architecture], "model_type": style}
+    config.update({theirs: getattr(backbone, ours) for theirs, ours in HF_TO_KBERT_CONFIG.items()})
+    config.update(
+        hidden_act=KBERT_TO_HF_ACTIVATION[backbone.activation],
+        position_embedding_type="absolute",
+        pad_token_id=0,
+    )
     if albert:
         config.update(embedding_size=backbone.embedding_dim, num_hidden_groups=1, inner_group_num=1)
-    heads = (
-        {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights}
-        if name != "BertBackbone"
-        else {}
-    )
-    if name in ("BertPreTrainer", "BertMaskedLM") and albert:
-        state.update(
-            {
-                "predictions.dense.weight": heads["mlm_head/transform/kernel"].T,
-                "predictions.dense.bias": heads["mlm_head/transform/bias"],
-                "predictions.LayerNorm.weight": heads["mlm_head/layer_norm/gamma"],
-                "predictions.LayerNorm.bias": heads["mlm_head/layer_norm/beta"],
-                "predictions.bias": heads["mlm_head/output_bias"],
-            }
-        )
-        if name == "BertPreTrainer":
-            state["sop_classifier.classifier.weight"] = heads["sop_head/dense/kernel"].T
-            state["sop_classifier.classifier.bias"] = heads["sop_head/dense/bias"]
-        else:
-            state = {k: v for k, v in state.items() if not k.startswith("albert.pooler.")}
-    elif name in ("BertPreTrainer", "BertMaskedLM"):
-        state.update(
-            {
-                "cls.predictions.transform.dense.weight": heads["mlm_head/transform/kernel"].T,
-                "cls.predictions.transform.dense.bias": heads["mlm_head/transform/bias"],
-                "cls.predictions.transform.LayerNorm.weight": heads["mlm_head/layer_norm/gamma"],
-                "cls.predictions.transform.LayerNorm.bias": heads["mlm_head/layer_norm/beta"],
-                "cls.predictions.bias": heads["mlm_head/output_bias"],
-                "cls.predictions.decoder.bias": heads["mlm_head/output_bias"],
-            }
-        )
-        if name == "BertPreTrainer":
-            state["cls.seq_relationship.weight"] = heads["nsp_head/dense/kernel"].T
-            state["cls.seq_relationship.bias"] = heads["nsp_head/dense/bias"]
-        else:
-            state = {k: v for k, v in state.items() if not k.startswith("bert.pooler.")}
-    elif name in ("BertClassifier", "BertTokenClassifier"):
-        state["classifier.weight"] = heads["logits/kernel"].T
-        state["classifier.bias"] = heads["logits/bias"]
+    if task.num_labels:
         config["num_labels"] = model.num_classes
-        if name == "BertClassifier" and model.num_classes == 1:
-            config["problem_type"] = "regression"
-    elif name == "BertMultipleChoice":
-        state["classifier.weight"] = heads["logits/kernel"].T
-        state["classifier.bias"] = heads["logits/bias"]
-    elif name == "BertQuestionAnswerer":
-        state["qa_outputs.weight"] = heads["logits/kernel"].T
-        state["qa_outputs.bias"] = heads["logits/bias"]
-    if name in (
-        "BertTokenClassifier",
-        "BertQuestionAnswerer",
-    ):  # transformers builds these without a pooler
-        state = {k: v for k, v in state.items() if not k.startswith(prefix + "pooler.")}
+    if task.regression and model.num_classes == 1:
+        config["problem_type"] = "regression"
     save_safetensors(
         {k: np.ascontiguousarray(v) for k, v in state.items()},
         os.path.join(directory, "model.safetensors"),

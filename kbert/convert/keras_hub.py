@@ -10,14 +10,14 @@ keras-hub's BERT uses the tanh GELU, so the backbone gets
 `activation="gelu_tanh"`.
 """
 
+import functools
 import os
 import re
 
 import numpy as np
 
-from kbert.presets.architectures import check_backbone_config
 from kbert.presets.io import PresetError, preset_file, read_json
-from kbert.presets.weights import held_sizes
+from kbert.presets.loader import PresetLoader, register_format
 from kbert.tokenizers import BertTokenizer
 
 CONFIG_FILE = "config.json"
@@ -181,29 +181,6 @@ def backbone_weights(raw, config, source):
     return w
 
 
-def read_backbone(directory, load_weights=True):
-    """(kbert backbone config, {kbert path: array} or None) from a keras-hub
-    BERT preset directory."""
-    config = backbone_config(directory)
-    source = os.path.join(directory, CONFIG_FILE)
-    if not load_weights:
-        check_backbone_config(config, source, load_weights=False)
-        return config, None
-    path = preset_file(directory, WEIGHTS_FILE)
-    if not os.path.lexists(path):
-        raise PresetError(f"{directory} has no {WEIGHTS_FILE}")
-    shapes = _h5_datasets(path, False)
-    check_backbone_config(config, source, held_sizes(backbone_shapes(shapes)))
-    # keras-hub keeps heads apart, (H, N, D): a wrong num_heads would load silently
-    query = shapes.get("layers/transformer_encoder/_self_attention_layer/query_dense/vars/0")
-    if query is not None and len(query) == 3 and query[1] != config["num_heads"]:
-        raise PresetError(
-            f"{source}: num_heads={config['num_heads']} but the weights hold {query[1]} heads; "
-            "the config does not describe these weights"
-        )
-    return config, backbone_weights(read_h5_weights(path), config, f"keras-hub weights in {path}")
-
-
 def load_tokenizer(directory):
     """kbert BertTokenizer from a keras-hub preset's vocabulary and casing, or None."""
     vocab = preset_file(directory, VOCABULARY_FILE, subfolders=True)
@@ -224,3 +201,60 @@ def tokenizer_lowercase(directory):
             f"got {lowercase!r:.60}"
         )
     return lowercase
+
+
+class KerasHubLoader(PresetLoader):
+    """A keras-hub BERT preset directory (config.json naming a `keras_hub>` class)."""
+
+    format = "keras_hub"
+    priority = 10  # before kbert presets: keras-hub presets have a metadata.json too
+    config_file = CONFIG_FILE
+    vocabulary_file = VOCABULARY_FILE
+
+    @classmethod
+    def detect(cls, directory):
+        return is_keras_hub_dir(directory)
+
+    @property
+    def weights_source(self):
+        return f"keras-hub weights in {self.directory}"
+
+    def backbone_config(self):
+        return backbone_config(self.directory)
+
+    @functools.cached_property
+    def _weights_path(self):
+        path = preset_file(self.directory, WEIGHTS_FILE)
+        if not os.path.lexists(path):
+            raise PresetError(f"{self.directory} has no {WEIGHTS_FILE}")
+        return path
+
+    @functools.cached_property
+    def _h5_shapes(self):
+        return _h5_datasets(self._weights_path, False)
+
+    def held_shapes(self):
+        return backbone_shapes(self._h5_shapes)
+
+    def check_held(self, config, held):
+        # keras-hub keeps heads apart, (H, N, D): a wrong num_heads would load silently
+        query = self._h5_shapes.get(
+            "layers/transformer_encoder/_self_attention_layer/query_dense/vars/0"
+        )
+        if query is not None and len(query) == 3 and query[1] != config["num_heads"]:
+            raise PresetError(
+                f"{self.config_source}: num_heads={config['num_heads']} but the weights hold "
+                f"{query[1]} heads; the config does not describe these weights"
+            )
+
+    def backbone_weights(self, config):
+        path = self._weights_path
+        return backbone_weights(read_h5_weights(path), config, f"keras-hub weights in {path}")
+
+    def tokenizer(self, rules=None):
+        if os.path.isfile(os.path.join(self.directory, "vocab.txt")):
+            return super().tokenizer(rules)
+        return load_tokenizer(self.directory)
+
+
+register_format(KerasHubLoader)

@@ -12,7 +12,9 @@ import re
 
 import numpy as np
 
+from kbert.convert.huggingface import HuggingFaceLoader
 from kbert.presets.io import PresetError, preset_file, read_json
+from kbert.presets.loader import register_format
 
 CONFIG_FILE = "bert_config.json"
 
@@ -91,3 +93,31 @@ def read_state(directory):
 def read_config(directory):
     """The checkpoint's bert_config.json in Hugging Face form."""
     return {"model_type": "bert", "layer_norm_eps": 1e-12, **read_json(directory, CONFIG_FILE)}
+
+
+class TFCheckpointLoader(HuggingFaceLoader):
+    """An original checkpoint directory, read into Hugging Face names and
+    then mapped as a Hugging Face BERT is; it holds a BertPreTrainer."""
+
+    format = "tf_checkpoint"
+    priority = 20  # before Hugging Face: a directory with both is read as the checkpoint
+    config_file = CONFIG_FILE
+
+    @classmethod
+    def detect(cls, directory):
+        return is_tf_checkpoint_dir(directory)
+
+    def _read_config(self):
+        return read_config(self.directory)
+
+    def _read_shapes(self):
+        return read_shapes(self.directory)
+
+    def _read_state(self):
+        return read_state(self.directory)
+
+    def held_model(self):
+        return "BertPreTrainer", {}  # the MLM and NSP heads
+
+
+register_format(TFCheckpointLoader)

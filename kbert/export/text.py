@@ -22,16 +22,14 @@ from kbert import backend as kbert_backend
 from kbert.backend.ops import padded_blocks
 from kbert.export.process import in_tensorflow
 
-TASKS = ("BertClassifier", "BertTextEmbedder", "BertTokenClassifier", "BertQuestionAnswerer")
-
 
 def task_kind(model):
-    """The kbert task class `model` is (or derives from), by name."""
+    """The kbert task class `model` is (or derives from), by name: a key of `ENDPOINTS`."""
     for cls in type(model).__mro__:
-        if cls.__name__ in TASKS:
+        if cls.__name__ in ENDPOINTS:
             return cls.__name__
     raise ValueError(
-        f"export_text_model takes a {', '.join(TASKS)}; got {type(model).__name__} "
+        f"export_text_model takes a {', '.join(ENDPOINTS)}; got {type(model).__name__} "
         "(export it with export_model and tokenize with export_tokenizer_json)"
     )
 
@@ -64,7 +62,7 @@ def export_text_model(model, filepath, verbose=False):
         return in_tensorflow(model, filepath, "text", verbose=verbose)
     import tensorflow as tf
 
-    endpoints = _endpoints(model, kind)
+    endpoints = ENDPOINTS[kind](model)
     module = tf.Module()
     module.model_variables = list(model.variables)  # saved with the graph
     signatures = {}
@@ -80,48 +78,63 @@ def export_text_model(model, filepath, verbose=False):
     return filepath
 
 
-def _endpoints(model, kind):
+def _strings(name):
     import tensorflow as tf
 
+    return tf.TensorSpec([None], tf.string, name=name)
+
+
+def _trimmed(x):
+    """Columns past the longest row are padding everywhere: the same
+    outputs for one-vector tasks, less work on short texts."""
+    import tensorflow as tf
+
+    longest = tf.maximum(tf.reduce_max(tf.reduce_sum(x["padding_mask"], axis=1)), 1)
+    return {k: v[:, :longest] for k, v in x.items()}
+
+
+def _one_vector_endpoints(output, pairs):
+    """Signatures of a task with one output row per text (or text pair)."""
+
+    def endpoints(model):
+        pre = model.preprocessor
+
+        def run(*texts):
+            return {output: model(_trimmed(pre(*texts)), training=False)}
+
+        signatures = {"serve": (lambda texts: run(texts), [_strings("texts")])}
+        if pairs:
+            signatures["serve_pairs"] = (
+                lambda texts, pairs: run(texts, pairs),
+                [_strings("texts"), _strings("pairs")],
+            )
+        return signatures
+
+    return endpoints
+
+
+def _token_classifier_endpoints(model):
+    pre = model.preprocessor
+
+    def tag(texts):
+        x = pre(texts)
+        return {
+            "logits": model(x, training=False),
+            "word_ids": _word_ids(pre.tokenizer, texts, pre.sequence_length),
+        }
+
+    return {"serve": (tag, [_strings("texts")])}
+
+
+def _question_answerer_endpoints(model):
     from kbert.tokenizers import tf_ops
 
     pre = model.preprocessor
-    tokenizer = pre.tokenizer
-    strings = lambda name: tf.TensorSpec([None], tf.string, name=name)  # noqa: E731
-
-    def trimmed(x):
-        # Columns past the longest row are padding everywhere: the same
-        # outputs for one-vector tasks, less work on short texts.
-        longest = tf.maximum(tf.reduce_max(tf.reduce_sum(x["padding_mask"], axis=1)), 1)
-        return {k: v[:, :longest] for k, v in x.items()}
-
-    def run(x):
-        return model(x, training=False)
-
-    if kind == "BertClassifier":
-        return {
-            "serve": (lambda texts: {"logits": run(trimmed(pre(texts)))}, [strings("texts")]),
-            "serve_pairs": (
-                lambda texts, pairs: {"logits": run(trimmed(pre(texts, pairs)))},
-                [strings("texts"), strings("pairs")],
-            ),
-        }
-    if kind == "BertTextEmbedder":
-        return {
-            "serve": (lambda texts: {"embeddings": run(trimmed(pre(texts)))}, [strings("texts")])
-        }
-    if kind == "BertTokenClassifier":
-
-        def tag(texts):
-            x = pre(texts)
-            return {"logits": run(x), "word_ids": _word_ids(tokenizer, texts, pre.sequence_length)}
-
-        return {"serve": (tag, [strings("texts")])}
 
     def answer(questions, contexts):
         x = pre(questions, contexts)
-        outputs = run(x)
-        starts, ends = _context_offsets(tokenizer, contexts, x, pre.sequence_length, tf_ops)
+        outputs = model(x, training=False)
+        starts, ends = _context_offsets(pre.tokenizer, contexts, x, pre.sequence_length, tf_ops)
         return {
             "start_logits": outputs["start_logits"],
             "end_logits": outputs["end_logits"],
@@ -129,7 +142,17 @@ def _endpoints(model, kind):
             "token_ends": ends,
         }
 
-    return {"serve": (answer, [strings("questions"), strings("contexts")])}
+    return {"serve": (answer, [_strings("questions"), _strings("contexts")])}
+
+
+# kbert task class -> its serving signatures: {name: (function, input signature)}.
+# A task that serves raw strings adds one line here.
+ENDPOINTS = {
+    "BertClassifier": _one_vector_endpoints("logits", pairs=True),
+    "BertTextEmbedder": _one_vector_endpoints("embeddings", pairs=False),
+    "BertTokenClassifier": _token_classifier_endpoints,
+    "BertQuestionAnswerer": _question_answerer_endpoints,
+}
 
 
 def _rules(tokenizer):

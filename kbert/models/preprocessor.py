@@ -6,7 +6,7 @@ import os
 import keras
 import numpy as np
 
-from kbert.convert import keras_hub
+from kbert.presets.loader import loader_for
 from kbert.tokenizers import BertTokenizer
 from kbert.utils.files import load_json, preset_file
 
@@ -135,11 +135,8 @@ class BertPreprocessor(keras.layers.Layer):
         `kbert.tokenizers.wordpiece.detect_rules`).
         """
         if not os.path.isfile(os.path.join(directory, "vocab.txt")):
-            tokenizer = (
-                keras_hub.load_tokenizer(directory)
-                if keras_hub.is_keras_hub_dir(directory)
-                else None
-            )
+            loader = loader_for(directory, required=False)  # e.g. keras-hub's own vocabulary
+            tokenizer = loader.tokenizer(rules) if loader is not None else None
             return cls(tokenizer, default_sequence_length) if tokenizer is not None else None
         sequence_length = default_sequence_length
         path = preset_file(directory, PREPROCESSOR_FILE)

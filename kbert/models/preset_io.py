@@ -13,7 +13,7 @@ import os
 
 import keras
 
-from kbert.convert import huggingface, keras_hub, tf_checkpoint
+import kbert.convert  # noqa: F401  (registers the foreign formats with loader_for)
 from kbert.export import export_model
 from kbert.layers import initializers
 from kbert.layers.quantization import (
@@ -24,6 +24,7 @@ from kbert.layers.quantization import (
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
+from kbert.presets.loader import TASK_CONFIG_FILE, TASK_WEIGHTS_FILE, loader_for
 from kbert.presets.weights import assign_weights
 from kbert.tokenizers.wordpiece import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from kbert.tokenizers.wordpiece import VOCAB_FILE
@@ -31,22 +32,9 @@ from kbert.utils.files import load_json
 
 logger = logging.getLogger("kbert")
 
-TASK_CONFIG_FILE = "task.json"
 PREPROCESSOR_FILE = "preprocessor.json"  # kbert.models.preprocessor writes it
 HF_TOKENIZER_FILE = "tokenizer.json"
 MAX_HF_TOKENIZER_BYTES = 64 << 20  # a multilingual tokenizer.json is tens of MB
-HF_ARCHITECTURE_CLASSES = {
-    "BertForPreTraining": "BertPreTrainer",
-    "BertForMaskedLM": "BertMaskedLM",
-    "BertForSequenceClassification": "BertClassifier",
-    "BertForTokenClassification": "BertTokenClassifier",
-    "BertForQuestionAnswering": "BertQuestionAnswerer",
-    "BertForMultipleChoice": "BertMultipleChoice",
-    "AlbertForPreTraining": "BertPreTrainer",
-    "AlbertForMaskedLM": "BertMaskedLM",
-    "AlbertForSequenceClassification": "BertClassifier",
-}
-TASK_WEIGHTS_FILE = "task.safetensors"
 # from_preset keyword arguments that go to the backbone
 BACKBONE_OVERRIDES = (
     "dtype",
@@ -120,31 +108,22 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
     """A `backbone_cls` from a kbert preset, a Hugging Face BERT directory,
     an original TF checkpoint directory or a keras-hub BERT preset."""
     allow_pickle = overrides.pop("allow_pickle", False)
-    vocabulary_file = VOCAB_FILE
-    if keras_hub.is_keras_hub_dir(directory):
-        config, weights = keras_hub.read_backbone(directory, load_weights)
-        source, allow_missing = f"keras-hub weights in {directory}", ()
-        vocabulary_file = keras_hub.VOCABULARY_FILE
-    elif huggingface.is_huggingface_dir(directory):
-        config, weights, allow_missing = huggingface.read_backbone(
-            directory, load_weights, allow_pickle=allow_pickle
-        )
-        source = f"Hugging Face weights in {directory}"
-    elif io.is_kbert_preset(directory):
-        config, weights = io.read_backbone_preset(directory, load_weights)
-        source, allow_missing = f"weights in {directory}/{io.WEIGHTS_FILE}", ()
-    else:
-        raise io.PresetError(
-            f"{directory!r} is not a preset: it has neither a kbert {io.METADATA_FILE} nor "
-            "a Hugging Face config.json with model_type 'bert'"
-        )
+    return build_backbone(
+        backbone_cls, loader_for(directory, allow_pickle), load_weights, overrides
+    )
+
+
+def build_backbone(backbone_cls, loader, load_weights, overrides):
+    """A `backbone_cls` from what `loader` reads, with config `overrides`."""
+    directory = loader.directory
+    config, weights = loader.read_backbone(load_weights)
     new_adapters = io.new_adapters(config, overrides)  # the saved config, before overrides
     config = {**config, **overrides}
     if overrides:
         check_backbone_config(
             config, f"{directory} with {sorted(overrides)} overridden", load_weights=load_weights
         )
-    io.check_vocabulary_file(directory, vocabulary_file, config["vocabulary_size"])
+    io.check_vocabulary_file(directory, loader.vocabulary_file, config["vocabulary_size"])
     # weights the checkpoint sets are built as zeros, not drawn (`kbert.layers.initializers`)
     building = initializers.placeholders() if weights is not None else contextlib.nullcontext()
     try:
@@ -156,8 +135,8 @@ def load_backbone(backbone_cls, directory, load_weights=True, **overrides):
         assign_weights(
             backbone,
             weights,
-            source=source,
-            allow_missing=allow_missing + new_adapters,
+            source=loader.weights_source,
+            allow_missing=loader.optional_weights(weights) + new_adapters,
         )
         initializers.draw_unset(backbone, weights, placeholders)
     return backbone
@@ -251,64 +230,38 @@ def write_task_files(task, directory):
 
 def load_task(cls, directory, load_weights=True, **kwargs):
     """A task model of class `cls` from a preset directory: its own head
-    when the preset holds one of this class (kbert task preset or Hugging
-    Face checkpoint), otherwise a fresh head on the preset's backbone."""
+    when the directory holds one of this class (kbert task preset, Hugging
+    Face or original TF checkpoint), otherwise a fresh head on its backbone."""
     backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
-    allow_pickle = backbone_overrides.get("allow_pickle", False)
-    backbone = load_backbone(
-        cls.backbone_cls, directory, load_weights=load_weights, **backbone_overrides
-    )
-    task_config, head_weights, quantized, subset = {}, None, None, False
-    if os.path.lexists(os.path.join(directory, TASK_CONFIG_FILE)):
-        saved = io.read_json(directory, TASK_CONFIG_FILE)
-        if saved.get("class_name") in cls.head_weights_from and not saved.get("quantized_layers"):
-            # e.g. BertMaskedLM from a BertPreTrainer preset: its MLM head
-            subset = True
-            if load_weights:
-                head_weights = io.load_weights_file(directory, TASK_WEIGHTS_FILE)
-        elif saved.get("class_name") == cls.__name__:
-            task_config = saved.get("config", {})
-            if not isinstance(task_config, dict):
-                raise io.PresetError(f"{directory}/{TASK_CONFIG_FILE} has no 'config' object")
-            quantized = saved.get("quantized_layers")
-            if load_weights:
-                head_weights = io.load_weights_file(directory, TASK_WEIGHTS_FILE)
-        else:
-            logger.warning(
-                "%s holds a %s head; building a fresh %s head on its backbone",
-                directory,
-                saved.get("class_name"),
-                cls.__name__,
-            )
+    allow_pickle = backbone_overrides.pop("allow_pickle", False)
+    loader = loader_for(directory, allow_pickle)
+    backbone = build_backbone(cls.backbone_cls, loader, load_weights, backbone_overrides)
+    head = loader.task_head(cls, load_weights)
     if "preprocessor" not in kwargs:
         _check_tokenizer_settings(directory, backbone)
         kwargs["preprocessor"] = cls.default_preprocessor(directory, backbone)
     _check_preprocessor(kwargs["preprocessor"], backbone, directory)
-    model = cls(backbone=backbone, **{**task_config, **kwargs})
-    apply_quantization(model, quantized, f"{directory}/{TASK_CONFIG_FILE}")
-    source = f"head weights in {directory}/{TASK_WEIGHTS_FILE}"
-    if head_weights is None and load_weights:
-        head_weights = huggingface.read_task_head(cls.__name__, directory, allow_pickle)
-        source = f"Hugging Face head in {directory}"
-        if head_weights is None:
+    model = cls(backbone=backbone, **{**(head.config if head else {}), **kwargs})
+    apply_quantization(model, head.quantized if head else None, f"{directory}/{TASK_CONFIG_FILE}")
+    if head is None or head.weights is None:
+        if load_weights:
             logger.warning(
                 "%s: the %s head is initialised fresh (the preset has no matching head)",
                 directory,
                 cls.__name__,
             )
-            return model
-        paths = model.head_weight_paths()
-        if set(head_weights) != set(paths):
-            raise io.PresetError(
-                f"the Hugging Face head in {directory} does not map onto {cls.__name__}: "
-                f"expected {sorted(paths)}, got {sorted(head_weights)}"
-            )
-    if head_weights is not None:
-        paths = model.head_weight_paths()
-        if subset:
-            wanted = set(paths)
-            head_weights = {p: v for p, v in head_weights.items() if p in wanted}
-        assign_weights(model, head_weights, source=source, paths=paths)
+        return model
+    paths = model.head_weight_paths()
+    weights = head.weights
+    if head.exact and set(weights) != set(paths):
+        raise io.PresetError(
+            f"the Hugging Face head in {directory} does not map onto {cls.__name__}: "
+            f"expected {sorted(paths)}, got {sorted(weights)}"
+        )
+    if head.subset:
+        wanted = set(paths)
+        weights = {p: v for p, v in weights.items() if p in wanted}
+    assign_weights(model, weights, source=head.source, paths=paths)
     return model
 
 
@@ -318,23 +271,5 @@ def held_model(directory):
     architecture's counterpart (classes counted from the head's weights),
     BertPreTrainer for an original TF checkpoint (MLM + NSP heads), else
     BertBackbone."""
-    directory = os.fspath(directory)
-    if os.path.lexists(os.path.join(directory, TASK_CONFIG_FILE)):
-        name = io.read_json(directory, TASK_CONFIG_FILE).get("class_name")
-        return (name if isinstance(name, str) else repr(name)), {}
-    if tf_checkpoint.is_tf_checkpoint_dir(directory):
-        return "BertPreTrainer", {}
-    if not huggingface.is_huggingface_dir(directory):
-        return "BertBackbone", {}
-    architectures = io.read_json(directory, "config.json").get("architectures") or ["BertModel"]
-    if not isinstance(architectures, list) or not isinstance(architectures[0], str):
-        raise io.PresetError(f"{directory}/config.json: architectures must be a list of names")
-    name = HF_ARCHITECTURE_CLASSES.get(architectures[0], "BertBackbone")
-    if name not in ("BertClassifier", "BertTokenClassifier"):
-        return name, {}
-    shape = huggingface.weight_shapes(directory).get("classifier.weight")
-    if shape is None or len(shape) != 2:
-        raise io.PresetError(
-            f"{directory} is a {architectures[0]} without a classifier.weight matrix"
-        )
-    return name, {"num_classes": int(shape[0])}
+    loader = loader_for(directory, required=False)
+    return loader.held_model() if loader is not None else ("BertBackbone", {})

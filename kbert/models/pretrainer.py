@@ -12,7 +12,6 @@ import keras
 from keras import ops
 
 from kbert.backend.trainer import replica_sum
-from kbert.convert import huggingface
 from kbert.layers import MaskedLMHead, NextSentenceHead
 from kbert.models.task import Task
 
@@ -200,13 +199,6 @@ class BertPreTrainer(_PreTrainingTask):
     >>> model = BertPreTrainer(backbone)
     >>> model.compile()
     """
-
-    @classmethod
-    def load_from_preset_dir(cls, directory, load_weights=True, **kwargs):
-        # A Hugging Face ALBERT checkpoint's pre-training head is SOP.
-        if "sentence_task" not in kwargs and huggingface.sentence_task(directory) == "sop":
-            kwargs["sentence_task"] = "sop"
-        return super().load_from_preset_dir(directory, load_weights=load_weights, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="kbert")

@@ -22,9 +22,8 @@ from safetensors.numpy import load_file
 
 from kbert import backend
 from kbert.layers.adapters import ADAPTER_LAYER_NAMES
-from kbert.presets.architectures import check_backbone_config
 from kbert.presets.registry import PRESETS, download_preset, is_hub_handle
-from kbert.presets.weights import held_sizes, weights_dict
+from kbert.presets.weights import weights_dict
 from kbert.tokenizers.vocabulary import load_vocabulary
 from kbert.utils.files import (
     MAX_VOCABULARY_BYTES,
@@ -33,6 +32,7 @@ from kbert.utils.files import (
     preset_file,
     save_safetensors,
     sha256,
+    verify_checksums,
 )
 from kbert.version import __version__
 
@@ -52,7 +52,7 @@ __all__ = [
     "save_backbone",
     "save_model_to_preset",
     "is_kbert_preset",
-    "read_backbone_preset",
+    "read_backbone_config",
     "new_adapters",
     "load_model_from_preset",
     "resolve_preset",
@@ -186,15 +186,16 @@ def verify_metadata(directory):
     files = metadata.get("files")
     if not isinstance(files, dict) or not files:
         raise PresetError(f"{directory}/{METADATA_FILE} lists no files")
-    for name, expected in files.items():
-        path = preset_file(directory, name)
-        if not os.path.exists(path):
-            raise PresetError(f"preset file {name!r} listed in metadata.json is missing")
-        if sha256(path) != expected:
-            raise PresetError(
-                f"preset file {name!r} does not match its checksum in metadata.json "
-                "(corrupt, truncated or modified); re-download or re-save the preset"
-            )
+    verify_checksums(
+        directory,
+        files,
+        missing=lambda name: f"preset file {name!r} listed in metadata.json is missing",
+        changed=lambda name: (
+            f"preset file {name!r} does not match its checksum in metadata.json "
+            "(corrupt, truncated or modified); re-download or re-save the preset"
+        ),
+        locate=preset_file,
+    )
     return metadata
 
 
@@ -243,9 +244,9 @@ def is_kbert_preset(directory):
     return os.path.isfile(os.path.join(directory, METADATA_FILE))
 
 
-def read_backbone_preset(directory, load_weights=True):
-    """(backbone config, {path: array} or None) from a kbert preset
-    directory, after checking every file against its checksum."""
+def read_backbone_config(directory):
+    """The backbone config of a kbert preset directory, after checking every
+    file against its checksum (sizes are checked by the loader)."""
     verify_metadata(directory)
     config = read_json(directory, CONFIG_FILE)
     if config.get("format") != FORMAT or config.get("class_name") != "BertBackbone":
@@ -261,13 +262,7 @@ def read_backbone_preset(directory, load_weights=True):
             f"{directory}/{CONFIG_FILE} is format_version {version!r:.40}; this kbert "
             f"reads presets up to format_version {FORMAT_VERSION}: upgrade kbert"
         )
-    source = os.path.join(directory, CONFIG_FILE)
-    if not load_weights:
-        check_backbone_config(config["config"], source, load_weights=False)
-        return config["config"], None
-    held = held_sizes(safetensors_shapes(directory, WEIGHTS_FILE))
-    check_backbone_config(config["config"], source, held)
-    return config["config"], load_weights_file(directory, WEIGHTS_FILE)
+    return config["config"]
 
 
 def new_adapters(saved_config, overrides):

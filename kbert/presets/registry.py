@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 
-from kbert.utils.files import PresetError, sha256
+from kbert.utils.files import PresetError, verify_checksums
 from kbert.utils.naming import closest
 
 SCHEME = "hf://"
@@ -240,16 +240,16 @@ def _mirror(snapshot, repo_id):
 
 
 def _verify(preset, directory, checksums):
-    for name, expected in checksums.items():
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise PresetError(f"preset {preset!r} has no file {name!r}, which the registry pins")
-        if sha256(path) != expected:
-            raise PresetError(
-                f"preset {preset!r}: {name} does not match its sha256 in the registry "
-                "(changed upstream, or a corrupt download); delete it from the Hugging Face "
-                "cache (`hf cache delete`) and $KBERT_CACHE/hub, then retry"
-            )
+    verify_checksums(
+        directory,
+        checksums,
+        missing=lambda name: f"preset {preset!r} has no file {name!r}, which the registry pins",
+        changed=lambda name: (
+            f"preset {preset!r}: {name} does not match its sha256 in the registry "
+            "(changed upstream, or a corrupt download); delete it from the Hugging Face "
+            "cache (`hf cache delete`) and $KBERT_CACHE/hub, then retry"
+        ),
+    )
 
 
 def upload_preset(preset, handle, token=None, private=None, commit_message=None):

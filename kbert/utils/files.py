@@ -145,3 +145,17 @@ def _umask():
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def verify_checksums(directory, checksums, missing, changed, locate=os.path.join):
+    """Raises `PresetError(missing(name))` for the first file of `checksums`
+    ({file name: sha256 hex digest}) that `directory` lacks, or
+    `PresetError(changed(name))` for one with another digest.
+    `locate(directory, name)` gives a file's path (e.g. `preset_file`,
+    which refuses links)."""
+    for name, expected in checksums.items():
+        path = locate(directory, name)
+        if not os.path.isfile(path):
+            raise PresetError(missing(name))
+        if sha256(path) != expected:
+            raise PresetError(changed(name))

@@ -11,6 +11,7 @@ from kbert.layers.activations import get_activation
 from kbert.layers.config import ArgumentsConfig
 from kbert.layers.dense import Dense
 from kbert.layers.initializers import truncated_normal
+from kbert.utils import checks
 
 ADAPTER_LAYER_NAMES = ("attention_adapter", "output_adapter")
 
@@ -37,8 +38,7 @@ class BottleneckAdapter(ArgumentsConfig, keras.layers.Layer):
 
     def __init__(self, adapter_size, activation="gelu", initializer_range=0.02, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(adapter_size, int) or adapter_size < 1:
-            raise ValueError(f"adapter_size must be a positive int, got {adapter_size!r}")
+        checks.check_positive_ints(locals(), "adapter_size")
         self.store_arguments(locals())
         self.down = Dense(
             adapter_size,

@@ -511,7 +511,33 @@ def random_state_kept_on_failure():
         raise
 
 
-class GraphedTrainStep:
+class _GraphsPerShape:
+    """What `GraphedTrainStep` and `GraphedForward` share: one CUDA graph per
+    input signature (at most `MAX_GRAPHS`), all in one memory pool, captured
+    on a side stream; a signature's first run warms up on that stream."""
+
+    MAX_GRAPHS = 16
+
+    def __init__(self, model):
+        self.model = model
+        self.stream = torch.cuda.Stream()
+        self.graphs = {}  # signature -> (graph, static inputs, static outputs)
+        self.seen = set()
+        self.pool = None
+        self.replays = 0
+        self.failed = None  # why capture failed, if it did
+
+    def _on_capture_stream(self, run, *args):
+        """`run(*args)` eagerly on the capture stream: lazy CUDA state for its
+        kernels is made there, outside any graph."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            outputs = run(*args)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return outputs
+
+
+class GraphedTrainStep(_GraphsPerShape):
     """`train_step` captured as a CUDA graph per batch shape and replayed
     for every later batch of that shape, for the duration of one `fit`.
 
@@ -540,24 +566,10 @@ class GraphedTrainStep:
     """
 
     WARMUP = 1
-    MAX_GRAPHS = 16
 
     def __init__(self, model):
-        self.model = model
-        self.stream = torch.cuda.Stream()
-        self.graphs = {}  # signature -> (graph, static inputs, static logs)
-        self.seen = set()
-        self.pool = None
+        super().__init__(model)
         self.eager_steps = 0
-        self.replays = 0
-        self.failed = None  # why capture failed, if it did
-
-    def _eager_on_capture_stream(self, data, segments):
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            logs = train_step(self.model, data, segments)
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return logs
 
     def _capture(self, data, signature, segments):
         static_inputs = to_device(data)
@@ -630,7 +642,7 @@ class GraphedTrainStep:
         self.seen.add(signature)
         self.eager_steps += 1
         if capturing:
-            return self._eager_on_capture_stream(data, segments)
+            return self._on_capture_stream(train_step, self.model, data, segments)
         return train_step(self.model, data, segments)
 
     def stats(self):
@@ -728,7 +740,7 @@ def task_test_step(keras_test_step, *args, **kwargs):
         return keras_test_step(*to_device(args), **kwargs)
 
 
-class GraphedForward:
+class GraphedForward(_GraphsPerShape):
     """The inference forward `model(x, training=False)` captured as a CUDA
     graph per input shape and replayed, for the duration of one `predict`.
 
@@ -741,17 +753,9 @@ class GraphedForward:
     eagerly.
     """
 
-    MAX_GRAPHS = 16
-
     def __init__(self, model):
-        self.model = model
-        self.stream = torch.cuda.Stream()
-        self.graphs = {}  # signature -> (graph, static inputs, static outputs)
-        self.seen = set()
-        self.pool = None
-        self.replays = 0
+        super().__init__(model)
         self.eager_calls = 0
-        self.failed = None
 
     def _eager(self, x):
         self.eager_calls += 1
@@ -809,11 +813,7 @@ class GraphedForward:
         if signature not in self.seen:
             # warm-up on the capture stream: lazy CUDA state made outside a graph
             self.seen.add(signature)
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                outputs = self._eager(x)
-            torch.cuda.current_stream().wait_stream(self.stream)
-            return outputs
+            return self._on_capture_stream(self._eager, x)
         return self._capture(x, signature)
 
     def stats(self):

@@ -8,14 +8,16 @@ import keras
 
 from kbert.backend import keras_internals
 from kbert.layers.activations import get_activation
+from kbert.layers.config import ArgumentsConfig
 from kbert.layers.dense import Dense
 from kbert.layers.initializers import truncated_normal
+from kbert.utils import checks
 
 ADAPTER_LAYER_NAMES = ("attention_adapter", "output_adapter")
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class BottleneckAdapter(keras.layers.Layer):
+class BottleneckAdapter(ArgumentsConfig, keras.layers.Layer):
     """x -> x + up(act(down(x))): a small residual MLP inserted after a
     sub-layer's output projection, before its residual add and LayerNorm.
 
@@ -36,11 +38,8 @@ class BottleneckAdapter(keras.layers.Layer):
 
     def __init__(self, adapter_size, activation="gelu", initializer_range=0.02, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(adapter_size, int) or adapter_size < 1:
-            raise ValueError(f"adapter_size must be a positive int, got {adapter_size!r}")
-        self.adapter_size = adapter_size
-        self.activation = activation
-        self.initializer_range = initializer_range
+        checks.check_positive_ints(locals(), "adapter_size")
+        self.store_arguments(locals())
         self.down = Dense(
             adapter_size,
             activation=get_activation(activation),
@@ -63,15 +62,6 @@ class BottleneckAdapter(keras.layers.Layer):
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            adapter_size=self.adapter_size,
-            activation=self.activation,
-            initializer_range=self.initializer_range,
-        )
-        return config
 
 
 def train_only_adapters(backbone):

@@ -32,6 +32,7 @@ from keras import ops
 from kbert import backend
 from kbert.backend import ops as kernels
 from kbert.backend.ops import sublayer_call
+from kbert.layers.config import ArgumentsConfig
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.initializers import truncated_normal
@@ -171,7 +172,7 @@ register_attention(
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class MultiHeadSelfAttention(keras.layers.Layer):
+class MultiHeadSelfAttention(ArgumentsConfig, keras.layers.Layer):
     """Multi-head self-attention with a fused QKV projection.
 
     `attention_mask` is a (B, S) padding mask (1 = real token), or an
@@ -206,12 +207,8 @@ class MultiHeadSelfAttention(keras.layers.Layer):
         if hidden_dim % num_heads:
             raise ValueError(f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}")
         check_implementation_name(attention_implementation)
-        self.num_heads = num_heads
-        self.hidden_dim = hidden_dim
+        self.store_arguments(locals())
         self.head_dim = hidden_dim // num_heads
-        self.attention_dropout = attention_dropout
-        self.initializer_range = initializer_range
-        self.attention_implementation = attention_implementation
         init = truncated_normal(initializer_range)
         self.qkv = Dense(
             3 * hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="qkv"
@@ -284,17 +281,6 @@ class MultiHeadSelfAttention(keras.layers.Layer):
 
     def compute_output_shape(self, inputs_shape, attention_mask_shape=None):
         return tuple(inputs_shape)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            num_heads=self.num_heads,
-            hidden_dim=self.hidden_dim,
-            attention_dropout=self.attention_dropout,
-            initializer_range=self.initializer_range,
-            attention_implementation=self.attention_implementation,
-        )
-        return config
 
 
 def check_implementation_name(name):

@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from kbert.backend.ops import fused_embedding_sum, reverse_table_padding
+from kbert.layers.config import ArgumentsConfig
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.initializers import truncated_normal
@@ -61,7 +62,7 @@ class TokenEmbedding(keras.layers.Embedding):
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class BertEmbeddings(keras.layers.Layer):
+class BertEmbeddings(ArgumentsConfig, keras.layers.Layer):
     """Sum of token, segment and learned absolute position embeddings.
 
     With `embedding_dim` (ALBERT's factorized embeddings, Lan et al. 2020)
@@ -86,6 +87,8 @@ class BertEmbeddings(keras.layers.Layer):
     (2, 5, 8)
     """
 
+    config_omitted = {"embedding_dim": None}
+
     def __init__(
         self,
         vocabulary_size,
@@ -99,15 +102,8 @@ class BertEmbeddings(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.vocabulary_size = vocabulary_size
-        self.hidden_dim = hidden_dim
-        self.embedding_dim = embedding_dim
+        self.store_arguments(locals())
         width = self.table_dim
-        self.max_sequence_length = max_sequence_length
-        self.type_vocab_size = type_vocab_size
-        self.dropout = dropout
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.initializer_range = initializer_range
         self.token_embedding = TokenEmbedding(
             vocabulary_size,
             width,
@@ -210,18 +206,3 @@ class BertEmbeddings(keras.layers.Layer):
 
     def compute_output_shape(self, token_ids_shape, segment_ids_shape=None):
         return tuple(token_ids_shape) + (self.hidden_dim,)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            vocabulary_size=self.vocabulary_size,
-            hidden_dim=self.hidden_dim,
-            max_sequence_length=self.max_sequence_length,
-            type_vocab_size=self.type_vocab_size,
-            dropout=self.dropout,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-            initializer_range=self.initializer_range,
-        )
-        if self.embedding_dim is not None:
-            config["embedding_dim"] = self.embedding_dim
-        return config

@@ -19,6 +19,7 @@ from kbert.backend.ops import sublayer_call, token_packing
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter
 from kbert.layers.attention import MultiHeadSelfAttention
+from kbert.layers.config import ArgumentsConfig
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.initializers import truncated_normal
@@ -27,7 +28,7 @@ from kbert.layers.masks import AttentionMask
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class TransformerEncoderBlock(keras.layers.Layer):
+class TransformerEncoderBlock(ArgumentsConfig, keras.layers.Layer):
     """x -> LN(x + Attn(x)) -> LN(. + FFN(.)), dropout before each residual add.
 
     Args:
@@ -53,6 +54,8 @@ class TransformerEncoderBlock(keras.layers.Layer):
     (1, 3, 8)
     """
 
+    config_omitted = {"attention_implementation": "auto"}
+
     def __init__(
         self,
         num_heads,
@@ -68,16 +71,8 @@ class TransformerEncoderBlock(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.num_heads = num_heads
-        self.hidden_dim = hidden_dim
-        self.intermediate_dim = intermediate_dim
-        self.dropout = dropout
-        self.attention_dropout = attention_dropout
-        self.activation = canonical_activation(activation)
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.initializer_range = initializer_range
-        self.adapter_size = adapter_size
-        self.attention_implementation = attention_implementation
+        activation = canonical_activation(activation)
+        self.store_arguments(locals())
         init = truncated_normal(initializer_range)
         policy = self.dtype_policy
         self.self_attention = MultiHeadSelfAttention(
@@ -172,23 +167,6 @@ class TransformerEncoderBlock(keras.layers.Layer):
 
     def compute_output_shape(self, inputs_shape, attention_mask_shape=None):
         return tuple(inputs_shape)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            num_heads=self.num_heads,
-            hidden_dim=self.hidden_dim,
-            intermediate_dim=self.intermediate_dim,
-            dropout=self.dropout,
-            attention_dropout=self.attention_dropout,
-            activation=self.activation,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-            initializer_range=self.initializer_range,
-            adapter_size=self.adapter_size,
-        )
-        if self.attention_implementation != "auto":
-            config["attention_implementation"] = self.attention_implementation
-        return config
 
 
 BLOCKS = {}

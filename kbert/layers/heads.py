@@ -10,6 +10,7 @@ from keras import ops
 
 from kbert.backend.ops import gather_positions
 from kbert.layers.activations import canonical_activation, get_activation
+from kbert.layers.config import ArgumentsConfig
 from kbert.layers.dense import Dense
 from kbert.layers.initializers import truncated_normal
 from kbert.layers.layer_norm import LayerNorm
@@ -20,7 +21,7 @@ def _initializer(stddev):
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class Pooler(keras.layers.Layer):
+class Pooler(ArgumentsConfig, keras.layers.Layer):
     """tanh(Dense(h_[CLS])): the pooled output used by NSP and classifiers.
 
     Args:
@@ -34,8 +35,7 @@ class Pooler(keras.layers.Layer):
 
     def __init__(self, hidden_dim, initializer_range=0.02, **kwargs):
         super().__init__(**kwargs)
-        self.hidden_dim = hidden_dim
-        self.initializer_range = initializer_range
+        self.store_arguments(locals())
         self.dense = Dense(
             hidden_dim,
             activation="tanh",
@@ -54,14 +54,9 @@ class Pooler(keras.layers.Layer):
     def compute_output_shape(self, sequence_shape):
         return (sequence_shape[0], self.hidden_dim)
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(hidden_dim=self.hidden_dim, initializer_range=self.initializer_range)
-        return config
-
 
 @keras.saving.register_keras_serializable(package="kbert")
-class MaskedLMHead(keras.layers.Layer):
+class MaskedLMHead(ArgumentsConfig, keras.layers.Layer):
     """Predicts the original token at each masked position.
 
     Gathers `mask_positions` first, so the vocabulary projection (the largest
@@ -89,6 +84,9 @@ class MaskedLMHead(keras.layers.Layer):
     (2, 3, 20)
     """
 
+    config_excluded = ("token_embedding",)  # see Args
+    config_omitted = {"embedding_dim": None}
+
     def __init__(
         self,
         vocabulary_size,
@@ -101,13 +99,8 @@ class MaskedLMHead(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.vocabulary_size = vocabulary_size
-        self.hidden_dim = hidden_dim
-        self.activation = canonical_activation(activation)
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.initializer_range = initializer_range
-        self.token_embedding = token_embedding
-        self.embedding_dim = embedding_dim
+        activation = canonical_activation(activation)
+        self.store_arguments(locals())
         width = self.decoder_dim
         if token_embedding is not None and (
             token_embedding.input_dim != vocabulary_size or token_embedding.output_dim != width
@@ -166,22 +159,9 @@ class MaskedLMHead(keras.layers.Layer):
         shape = (sequence_output.shape[0], mask_positions.shape[1], self.vocabulary_size)
         return keras.KerasTensor(shape, dtype="float32")
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            vocabulary_size=self.vocabulary_size,
-            hidden_dim=self.hidden_dim,
-            activation=self.activation,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-            initializer_range=self.initializer_range,
-        )
-        if self.embedding_dim is not None:
-            config["embedding_dim"] = self.embedding_dim
-        return config
-
 
 @keras.saving.register_keras_serializable(package="kbert")
-class NextSentenceHead(keras.layers.Layer):
+class NextSentenceHead(ArgumentsConfig, keras.layers.Layer):
     """Two logits from the pooled output: 0 = B follows A, 1 = B is random
     (next sentence prediction), or 0 = A then B in document order, 1 =
     swapped (ALBERT's sentence-order prediction): the same layer.
@@ -196,7 +176,7 @@ class NextSentenceHead(keras.layers.Layer):
 
     def __init__(self, initializer_range=0.02, **kwargs):
         super().__init__(**kwargs)
-        self.initializer_range = initializer_range
+        self.store_arguments(locals())
         self.dense = Dense(
             2,
             kernel_initializer=_initializer(initializer_range),
@@ -216,8 +196,3 @@ class NextSentenceHead(keras.layers.Layer):
 
     def compute_output_spec(self, pooled_output):
         return keras.KerasTensor((pooled_output.shape[0], 2), dtype="float32")
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(initializer_range=self.initializer_range)
-        return config

@@ -187,17 +187,16 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         dtype=None,
         **kwargs,
     ):
-        for arg, value in [
-            ("vocabulary_size", vocabulary_size),
-            ("num_layers", num_layers),
-            ("num_heads", num_heads),
-            ("hidden_dim", hidden_dim),
-            ("intermediate_dim", intermediate_dim),
-            ("max_sequence_length", max_sequence_length),
-            ("type_vocab_size", type_vocab_size),
-        ]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        checks.check_positive_ints(
+            locals(),
+            "vocabulary_size",
+            "num_layers",
+            "num_heads",
+            "hidden_dim",
+            "intermediate_dim",
+            "max_sequence_length",
+            "type_vocab_size",
+        )
         if hidden_dim % num_heads:
             raise ValueError(f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}")
         if embedding_dim is not None and (

@@ -18,6 +18,7 @@ import numpy as np
 from kbert.backend.ops import fill_padding
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.task import Task
+from kbert.utils import checks
 from kbert.utils.host import with_gc_paused
 
 QAFeatures = collections.namedtuple(
@@ -85,14 +86,9 @@ class BertQuestionAnswerer(Task):
         freeze_backbone=False,
         **kwargs,
     ):
-        for arg, value in [
-            ("doc_stride", doc_stride),
-            ("max_query_length", max_query_length),
-            ("n_best_size", n_best_size),
-            ("max_answer_length", max_answer_length),
-        ]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        checks.check_positive_ints(
+            locals(), "doc_stride", "max_query_length", "n_best_size", "max_answer_length"
+        )
         inputs = self.backbone_inputs(backbone)
         logits = self.logits_head(
             backbone(inputs)["sequence_output"], backbone, 2, 0.0

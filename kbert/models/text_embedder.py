@@ -3,13 +3,14 @@
 import keras
 from keras import ops
 
+from kbert.layers.config import ArgumentsConfig
 from kbert.models.task import Task
 
 POOLINGS = ("cls", "mean", "max", "pooled")
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class TokenPooling(keras.layers.Layer):
+class TokenPooling(ArgumentsConfig, keras.layers.Layer):
     """Pools (B, T, H) token vectors over the non-padding tokens -> (B, H).
 
     Args:
@@ -19,8 +20,7 @@ class TokenPooling(keras.layers.Layer):
 
     def __init__(self, pooling="mean", normalize=False, **kwargs):
         super().__init__(**kwargs)
-        self.pooling = pooling
-        self.normalize = normalize
+        self.store_arguments(locals())
 
     def call(self, sequence_output, padding_mask):
         x = ops.cast(sequence_output, "float32")
@@ -39,11 +39,6 @@ class TokenPooling(keras.layers.Layer):
         return keras.KerasTensor(
             (sequence_output.shape[0], sequence_output.shape[-1]), dtype="float32"
         )
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(pooling=self.pooling, normalize=self.normalize)
-        return config
 
 
 @keras.saving.register_keras_serializable(package="kbert")

@@ -30,8 +30,9 @@ class BertTokenClassifier(Task):
         freeze_backbone: False, True or "adapters" (see `BertClassifier`).
 
     Example:
-    >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
-    >>> model = BertTokenClassifier(backbone, num_classes=5)
+    >>> model = BertTokenClassifier(
+    ...     kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16), num_classes=5
+    ... )
     """
 
     def __init__(

@@ -55,6 +55,16 @@ def is_shapes_only(x):
     return isinstance(x, torch.Tensor) and x.is_meta
 
 
+def check_positive_ints(values, *names):
+    """Raises a ValueError naming the first of `names` whose value in
+    `values` (a constructor's `locals()`) is not a positive int; bools are
+    refused too."""
+    for name in names:
+        value = values[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def check_token_ids(token_ids, vocabulary_size, name="token_ids"):
     values = keras.ops.convert_to_numpy(token_ids)
     if values.size == 0:

@@ -81,6 +81,7 @@ import keras
 
 from kbert import backend
 from kbert.backend import jax_on_accelerator, keras_internals
+from kbert.backend.state import state_of
 
 # Background compilations run at once (their traces one at a time).
 WORKERS = 4
@@ -357,7 +358,7 @@ def _succeeded(future):
 
 
 def _first_programs(model):
-    return getattr(model, "_kbert_first_programs", None)
+    return state_of(model).first_programs
 
 
 def first_programs_apply(model, kind):
@@ -407,17 +408,16 @@ def compile_log(model):
     whether part of a loop program, `trace_begin` and
     `compile_begin` (`time.perf_counter()`), seconds tracing and
     compiling."""
-    return list(getattr(model, "_kbert_compile_log", None) or ())
+    return list(state_of(model).compile_log or ())
 
 
 def _log_of(model):
     """The list `compile_log` reads, made on first use (on the caller's
     thread; appended to by the compiling threads)."""
-    log = getattr(model, "_kbert_compile_log", None)
-    if log is None:
-        log = []
-        object.__setattr__(model, "_kbert_compile_log", log)
-    return log
+    state = state_of(model)
+    if state.compile_log is None:
+        state.compile_log = []
+    return state.compile_log
 
 
 def _record(log, kind, shape, loop, begin, traced, start):
@@ -443,12 +443,12 @@ def first_programs_wrapper(model, kind):
     if kind != "train":
         return None
     if not first_programs_apply(model, kind):
-        object.__setattr__(model, "_kbert_first_programs", None)  # a new step, plain
+        state_of(model).first_programs = None  # a new step, plain
         return None
 
     def wrap(step):
         programs = FirstPrograms(step)
-        object.__setattr__(model, "_kbert_first_programs", programs)
+        state_of(model).first_programs = programs
         return programs
 
     return wrap
@@ -496,13 +496,13 @@ def predict_wrapper(model, kind):
     GPU only: a TPU runs Keras' step, compiling each shape as it comes."""
     if kind != "predict":
         return None
-    object.__setattr__(model, "_kbert_ahead_predict", None)  # a new step, plain
+    state_of(model).ahead_predict = None  # a new step, plain
     if not enabled():
         return None
 
     def wrap(step):
         programs = AheadPredict(step)
-        object.__setattr__(model, "_kbert_ahead_predict", programs)
+        state_of(model).ahead_predict = programs
         return programs
 
     return wrap
@@ -524,7 +524,7 @@ def compile_predict_ahead(model, batches):
     0.1 to 0.2 s tracing and 0.5 to 0.7 s compiling against 0.2 to 0.3 s
     and 0.8 to 1.0 s for the own program; 3.0 and 4.4 ms a batch against
     2.5 and 3.9 ms."""
-    programs = getattr(model, "_kbert_ahead_predict", None)
+    programs = state_of(model).ahead_predict
     if programs is None or model.predict_function is None or not len(batches):
         return
     new = {}
@@ -601,7 +601,7 @@ def _drop_loop(entry, own):
 def predict_loop_batches(model):
     """How many predict batches of `model` ran on a loop program (over its
     predict step's life), or None where its step compiles nothing ahead."""
-    programs = getattr(model, "_kbert_ahead_predict", None)
+    programs = state_of(model).ahead_predict
     return None if programs is None else programs.loop_batches
 
 

@@ -17,6 +17,8 @@ import threading
 
 import keras
 
+from kbert.backend.state import state_of
+
 # --- models and layers ------------------------------------------------------
 
 
@@ -265,14 +267,12 @@ class OptimizerShims:
         if not self.defers_weight_decay:
             return super()._apply_weight_decay(variables)
         ids = frozenset(id(v) for v in variables if self.weight_decay and self._use_weight_decay(v))
-        # past Keras' attribute tracking, which would make a list of the
-        # model's variables the optimizer's own
-        object.__setattr__(self, "_kbert_deferred_decay", ids)
+        state_of(self).deferred_decay = ids
 
     def take_deferred_decay(self, variables):
         """For each of `variables`, whether Keras left its decay to this
         update (and forgets them)."""
-        ids = self.__dict__.pop("_kbert_deferred_decay", frozenset())
+        ids = state_of(self).take("deferred_decay", frozenset())
         return [id(v) in ids for v in variables]
 
     def apply_weight_decay_now(self, variables):
@@ -286,7 +286,7 @@ class OptimizerShims:
             return super()._clip_gradients(grads)
         if self.defers_clipping():
             # the scale only: the update multiplies the gradients by it
-            object.__setattr__(self, "_kbert_clip_scale", self.clip_scale(grads))
+            state_of(self).clip_scale = self.clip_scale(grads)
             return grads
         return self.clip_gradients(grads)
 
@@ -297,7 +297,7 @@ class OptimizerShims:
     def take_deferred_clip_scale(self):
         """The clipping scale `_clip_gradients` left to this update, or None
         (and forgets it)."""
-        return self.__dict__.pop("_kbert_clip_scale", None)
+        return state_of(self).take("clip_scale")
 
     def _parallel_update_step(self, grads, variables, learning_rate):
         if hasattr(self, "parallel_update"):
@@ -530,17 +530,17 @@ def step_compiler_options(model, kind):
     """The XLA compiler options of `model`'s `kind` step ("train", "test",
     "predict"): those Keras' current step was jitted with, or those planned
     for the next (`plan_step_compiler_options`); None: XLA's defaults."""
-    return getattr(model, "_kbert_step_options", {}).get(kind)
+    return state_of(model).step_options.get(kind)
 
 
 def step_compiler_options_planned(model, kind):
     """Whether `model`'s `kind` step has options planned (or made)."""
-    return kind in getattr(model, "_kbert_step_options", {})
+    return kind in state_of(model).step_options
 
 
 def clear_step_compiler_options(model):
     """Forgets the planned options: Keras' `compile` drops its steps."""
-    model._kbert_step_options = {}
+    state_of(model).step_options = {}
 
 
 def plan_step_compiler_options(model, kind, options):
@@ -552,9 +552,7 @@ def plan_step_compiler_options(model, kind, options):
         "predict": model.predict_function,
     }[kind]
     if function is None:
-        if not hasattr(model, "_kbert_step_options"):
-            model._kbert_step_options = {}
-        model._kbert_step_options[kind] = dict(options) if options else None
+        state_of(model).step_options[kind] = dict(options) if options else None
 
 
 _JIT_LOCK = threading.RLock()  # one rebinding of Keras' `jit` at a time
@@ -581,7 +579,7 @@ def jax_jit_options(model, kind, wrap=None):
         if keras.config.is_nnx_enabled() or trainer.jit is not jax.jit:
             # not ours to rebind: the step gets no options, and the
             # ahead compiler must not use them either
-            model._kbert_step_options[kind] = None
+            state_of(model).step_options[kind] = None
             yield
             return
         jit = functools.partial(jax.jit, compiler_options=options)

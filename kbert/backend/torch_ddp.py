@@ -45,6 +45,8 @@ import keras
 import torch
 import torch.distributed as dist
 
+from kbert.backend.state import state_of
+
 _STATE = {"on": False, "normalised": False, "after_backward": False}
 BUCKET_BYTES = 64 * 2**20
 
@@ -144,14 +146,15 @@ def prepare_for_graphs(model):
     False when the model was already wrapped: DDP's reducer keeps the
     autograd nodes of the stream it was made on, and a capture on another
     stream fails, so such a model keeps training eagerly through DDP."""
-    if "_kbert_ddp" in model.__dict__:
+    state = state_of(model)
+    if state.ddp is not None:
         return False
-    if not model.__dict__.get("_kbert_synced"):
+    if not state.ddp_synced:
         with torch.no_grad():
             for variable in model.weights:
                 dist.broadcast(variable.value, src=0)
         torch.manual_seed(torch.initial_seed() + rank())
-        model.__dict__["_kbert_synced"] = True
+        state.ddp_synced = True
     return True
 
 
@@ -204,7 +207,8 @@ def all_reduce_gradients(gradients):
 def wrapped(model):
     """`model` wrapped in DistributedDataParallel (made once per model;
     broadcasts process 0's weights when made)."""
-    ddp = model.__dict__.get("_kbert_ddp")
+    state = state_of(model)
+    ddp = state.ddp
     if ddp is None:
         device = _reduce_device()
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -219,11 +223,10 @@ def wrapped(model):
         ddp.register_comm_hook(None, _sum_hook)
         # Dropout draws from torch's generator, seeded alike in every
         # process: offset it so that each process's rows get their own masks.
-        if not model.__dict__.get("_kbert_synced"):
+        if not state.ddp_synced:
             torch.manual_seed(torch.initial_seed() + rank())
-            model.__dict__["_kbert_synced"] = True
-        # not a Keras-tracked attribute (a module holding the model itself)
-        model.__dict__["_kbert_ddp"] = ddp
+            state.ddp_synced = True
+        state.ddp = ddp  # not a registered module: it holds the model itself
     return ddp
 
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kbert.backend import keras_internals, torch_ddp, torch_ops, torch_triton
+from kbert.backend.state import state_of
 
 
 def _host_tensor(value):
@@ -688,7 +689,7 @@ def graphs_training(model):
     batch shape (`fit_context`, without its side effects: a model already
     wrapped by DDP trains eagerly)."""
     graph = getattr(model, "cuda_graph", "auto")
-    if torch_ddp.active() and "_kbert_ddp" in model.__dict__:
+    if torch_ddp.active() and state_of(model).ddp is not None:
         return False
     return bool(runs_our_step(model) and graph and cuda_graph_supported(model, force=graph is True))
 

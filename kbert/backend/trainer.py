@@ -9,6 +9,8 @@ engines behind it (`jax_compile`, `jax_cache`, `torch_step`, `torch_ddp`,
 (an import-linter contract in pyproject.toml says so). Each function names
 what it does for a model, and picks the engine of the running backend.
 
+- `state_of(model)`: what the trainer keeps between calls
+  (`kbert.backend.state.TrainerState`).
 - `BackendTrainer`: the Keras `Model` hooks of a task (the step functions
   and their compiler options, per-backend train / test / predict steps,
   metrics across processes).
@@ -28,6 +30,7 @@ from kbert import backend
 from kbert.backend import jax_cache, jax_compile, keras_internals
 from kbert.backend import replicas as _replicas
 from kbert.backend import tensorflow as tf_backend
+from kbert.backend.state import state_of  # noqa: F401  (what the trainer keeps on a model)
 
 if backend.is_torch():
     from kbert.backend import torch_ddp, torch_ops, torch_step

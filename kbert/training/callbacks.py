@@ -8,7 +8,7 @@ import shutil
 import keras
 import numpy as np
 
-from kbert.backend import keras_internals
+from kbert.backend import keras_internals, trainer
 from kbert.backend import ops as backend_ops
 from kbert.training.distribution import any_process, process_count, process_index
 
@@ -124,10 +124,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # At the first batch, after the data iterator exists: creating torch's
         # data-loader iterator draws from the global generator.
         model = keras_internals.callback_model(self)  # no state sync at each step
-        pending = getattr(model, "_kbert_pending_rng", None)
+        pending = trainer.state_of(model).pending_rng
         if pending:
             restore_backend_rng_state(pending)
-            model._kbert_pending_rng = None
+            trainer.state_of(model).pending_rng = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = self.step

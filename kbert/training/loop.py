@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 
+from kbert.backend import trainer
 from kbert.training.callbacks import (
     ARRAYS_FILE,
     STATE_FILE,
@@ -64,7 +65,9 @@ def restore_checkpoint(model, path):
                         f"expected {variable.shape}"
                     )
                 variable.assign(value)
-        model._kbert_pending_rng = {k: arrays[k] for k in arrays.files if k.startswith("rng_")}
+        trainer.state_of(model).pending_rng = {
+            k: arrays[k] for k in arrays.files if k.startswith("rng_")
+        }
     return int(state["step"])
 
 
@@ -128,7 +131,7 @@ def fit_resumable(
             if (
                 partial
             ):  # this fit's set-up must not move torch's generator (one fit would not have)
-                model._kbert_pending_rng = _backend_rng_state()
+                trainer.state_of(model).pending_rng = _backend_rng_state()
             history = model.fit(
                 make_dataset(saver.step),
                 initial_epoch=saver.step // steps_per_checkpoint,

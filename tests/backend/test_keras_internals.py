@@ -346,3 +346,19 @@ def test_jax_split_train_step_is_keras_train_step(optimizer):
         for a, b in zip(part, want_part):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 0 for a, b in zip(got[0], state[0]))
+
+
+def test_trainer_state_is_one_untracked_object_per_model():
+    """What the trainer keeps on a model lives in one `TrainerState`, past
+    Keras' tracking: the model's weights and layers are unchanged by it."""
+    from kbert.backend.state import TrainerState, state_of
+
+    backbone = kbert.BertBackbone(50, 1, 2, 8, 16, max_sequence_length=8)
+    weights = len(backbone.weights)
+    state = state_of(backbone)
+    assert isinstance(state, TrainerState) and state_of(backbone) is state
+    state.compile_log = [backbone.weights[0]]  # a list holding a variable
+    state.step_options["train"] = {"xla_gpu_autotune_level": 0}
+    assert len(backbone.weights) == weights
+    assert state.take("compile_log") == [backbone.weights[0]] and state.compile_log is None
+    assert [k for k in vars(backbone) if k.startswith("_kbert")] == ["_kbert_state"]

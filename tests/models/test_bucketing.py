@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kbert
+from kbert.backend.state import state_of
 from kbert.training import batching
 from tests import harness
 from tests.harness import TINY
@@ -993,7 +994,7 @@ def test_jax_predict_compiles_its_bucket_programs_ahead(monkeypatch):
     are those of a plain predict, and a second predict compiles nothing."""
     model, x, _ = looping_task()
     want = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)  # a plain predict
-    assert model._kbert_ahead_predict is None
+    assert state_of(model).ahead_predict is None
     jax_compile = _fast_looping_fit(monkeypatch)
     model, x, _ = looping_task()
     with step_compiles() as compiles:

@@ -27,7 +27,13 @@ from kbert.presets.io import save_backbone
 from kbert.training import batching
 from kbert.utils import checks
 
-INPUT_NAMES = ("token_ids", "segment_ids", "padding_mask")
+# The inputs: name -> (dtype, whether the name has a token axis, the last).
+INPUTS = {
+    "token_ids": ("int32", True),
+    "segment_ids": ("int32", True),
+    "padding_mask": ("int32", True),
+}
+INPUT_NAMES = tuple(INPUTS)
 # Rows that hold several examples each (`kbert.training.batching.PackedBatches`)
 # add `example_ids` (R, T) (which example of the batch a token belongs to,
 # from 1; 0 for padding), `position_ids` (R, T) (each example counts from 0)
@@ -261,7 +267,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
 
         # === Functional model ===
         inputs = {
-            name: keras.Input(shape=(None,), dtype="int32", name=name) for name in INPUT_NAMES
+            name: keras.Input(shape=(None,), dtype=dtype, name=name)
+            for name, (dtype, _) in INPUTS.items()
         }
         outputs = encoder_forward(
             embeddings, blocks, pooler, inputs, hidden_states=output_hidden_states
@@ -351,6 +358,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         return signatures[0] is not None and all(s == signatures[0] for s in signatures)
 
     @property
+    def token_inputs(self):
+        """The inputs with a token axis (`INPUTS`), which length buckets cut."""
+        return tuple(name for name, (_, tokens) in INPUTS.items() if tokens)
+
+    @property
     def token_embedding(self):
         """The `TokenEmbedding` layer, for heads that tie weights to it."""
         return self.get_layer("embeddings").token_embedding
@@ -418,7 +430,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         )
         with checks.inputs_checked_on_host():
             return batching.predict_in_groups(
-                x, groups, super().predict_on_batch, self._fit_token_axes
+                x, groups, super().predict_on_batch, self._fit_token_axes, self.token_inputs
             )
 
     def _fit_token_axes(self, out, full):

@@ -148,5 +148,8 @@ class Task(preset_io.PresetMixin, PipelineModel):
             "max_sequence_length": backbone.max_sequence_length,
         }
 
+    def token_inputs(self):
+        return self.backbone.token_inputs
+
     def training_dtype_policy(self):
         return self.backbone.get_layer("embeddings").dtype_policy

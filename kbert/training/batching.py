@@ -48,7 +48,9 @@ ACCELERATOR_MULTIPLE = 64
 # side by side (`kbert.backend.jax_compile.compile_predict_ahead`): 32,
 # faster first and later calls (benchmarks/RESULTS.md).
 ACCELERATOR_PREDICT_MULTIPLE = 32
-# Inputs with a token axis (the last): cut to the bucket length.
+# Inputs with a token axis (the last), cut to the bucket length: a BERT
+# encoder's, the default where a model declares none (`token_inputs()` of
+# `kbert.training.pipeline.PipelineModel`).
 TOKEN_INPUTS = ("token_ids", "segment_ids", "padding_mask")
 # Chunk size, in batches, inside which `group_by_length` sorts.
 GROUP_CHUNK = 50
@@ -160,12 +162,14 @@ def can_bucket(x, *structures):
     return n > 0 and all(v.ndim >= 1 and len(v) == n for v in arrays)
 
 
-def _cut(x, rows, length, full, token_targets, y=None, sample_weight=None):
+def _cut(
+    x, rows, length, full, token_targets, y=None, sample_weight=None, token_inputs=TOKEN_INPUTS
+):
     """Rows `rows` of (x, y, sample_weight), token axes cut to `length`."""
 
     def cut_x(name, value):
         value = value[rows]
-        return value[..., :length] if name in TOKEN_INPUTS else value
+        return value[..., :length] if name in token_inputs else value
 
     def per_token(value):
         return token_targets and value.ndim >= 2 and value.shape[-1] == full
@@ -247,8 +251,10 @@ class BucketedBatches(BatchList):
         token_targets=False,
         multiple=MULTIPLE,
         shape_cost=0.0,
+        token_inputs=TOKEN_INPUTS,
     ):
         super().__init__([])
+        self.token_inputs = tuple(token_inputs)
         self.shape_cost = float(shape_cost)
         self.length_buckets = None  # fixed by the first epoch, where shape_cost
         self.x, self.y, self.sample_weight = x, y, sample_weight
@@ -300,6 +306,7 @@ class BucketedBatches(BatchList):
             self.token_targets,
             self.y,
             self.sample_weight,
+            self.token_inputs,
         )
 
     def shape_key(self, index):
@@ -574,13 +581,13 @@ def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
     return best if work(best) <= (1 - SPLIT_MIN_SAVING) * work(whole) else whole
 
 
-def take_rows(x, rows, length):
+def take_rows(x, rows, length, token_inputs=TOKEN_INPUTS):
     """Rows `rows` of a model-input batch, token inputs cut or padded (with
     padding) to `length`."""
 
     def take(name, value):
         value = np.asarray(value)[rows]
-        if name not in TOKEN_INPUTS:
+        if name not in token_inputs:
             return value
         have = value.shape[-1]
         if have >= length:
@@ -602,15 +609,17 @@ def fit_token_axis(value, full, axis=1, fill=0.0):
     return np.pad(value, widths, constant_values=fill)
 
 
-def predict_in_groups(x, groups, run, restore):
+def predict_in_groups(x, groups, run, restore, token_inputs=TOKEN_INPUTS):
     """`run` on each group of `length_groups`, outputs back in row order.
 
     `restore(out, full)`: one group's outputs with their token axes brought
     to the batch's length `full`."""
     full = int(np.shape(x["padding_mask"])[-1])
     if len(groups) == 1 and len(groups[0][0]) == len(x["padding_mask"]):
-        return restore(run(take_rows(x, slice(None), groups[0][1])), full)
-    parts = [restore(run(take_rows(x, rows, length)), full) for rows, length in groups]
+        return restore(run(take_rows(x, slice(None), groups[0][1], token_inputs)), full)
+    parts = [
+        restore(run(take_rows(x, rows, length, token_inputs)), full) for rows, length in groups
+    ]
     parts = keras.tree.map_structure(np.asarray, parts)
     return unsort(parts, [rows for rows, _ in groups], len(x["padding_mask"]))
 
@@ -620,7 +629,9 @@ def predict_in_groups(x, groups, run, restore):
 CHECK_MARK = "kbert input check: "
 
 
-def map_dataset(data, limits, token_targets=False, bucket=True, multiple=MULTIPLE):
+def map_dataset(
+    data, limits, token_targets=False, bucket=True, multiple=MULTIPLE, token_inputs=TOKEN_INPUTS
+):
     """A batched `tf.data` dataset of model inputs -> the same with its
     inputs checked in the pipeline (an out-of-range id fails the iterator
     with a message naming it, before any backend gathers) and, with
@@ -693,7 +704,7 @@ def map_dataset(data, limits, token_targets=False, bucket=True, multiple=MULTIPL
         length = tf.minimum(full, tf.maximum(multiple, rounded))
         static = mask.shape[-1]
         x = {
-            name: value[..., :length] if name in TOKEN_INPUTS else value
+            name: value[..., :length] if name in token_inputs else value
             for name, value in x.items()
         }
 

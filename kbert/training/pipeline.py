@@ -37,6 +37,7 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
       inputs, or None (model inputs only).
     - `input_limits()`: {"vocabulary_size", "type_vocab_size",
       "max_sequence_length"}, the ranges inputs are checked against.
+    - `token_inputs()`: the inputs with a token axis, cut by length buckets.
     - `compile_defaults(given)`: the loss and metrics `compile` fills in
       where `given` (the caller's compile arguments) has none.
     - `training_dtype_policy()`: the policy the model computes in.
@@ -69,6 +70,11 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         """{compile argument: default} for the arguments `given` lacks."""
         return {}
 
+    def token_inputs(self):
+        """The names of the model inputs with a token axis (their last),
+        which length buckets cut; a BERT encoder's three by default."""
+        return batching.TOKEN_INPUTS
+
     def training_dtype_policy(self):
         """The dtype policy training runs in (mixed_float16 gets loss scaling)."""
         return self.dtype_policy
@@ -98,7 +104,12 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         if raw_text.is_tf_dataset(x):
             bucket = bucket if self.bucket_datasets else 0
             return batching.map_dataset(
-                x, self.input_limits(), self.token_targets, bool(bucket), bucket or 1
+                x,
+                self.input_limits(),
+                self.token_targets,
+                bool(bucket),
+                bucket or 1,
+                token_inputs=self.token_inputs(),
             )
         if isinstance(x, dict):
             self._check_input_names(x)
@@ -161,6 +172,7 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
             shuffle=bool(shuffle),
             group_by_length=group_by_length,
             token_targets=self.token_targets,
+            token_inputs=self.token_inputs(),
             multiple=multiple,
             shape_cost=shape_cost,
         ).as_dataset()
@@ -356,7 +368,9 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         )
 
     def _predict_bucketed(self, x, batch_size, multiple):
-        batches = batching.BucketedBatches(x, batch_size=batch_size, sort=True, multiple=multiple)
+        batches = batching.BucketedBatches(
+            x, batch_size=batch_size, sort=True, multiple=multiple, token_inputs=self.token_inputs()
+        )
         trainer.compile_predict_ahead(self, batches)
         full = batches.full
         # consecutive batches of one bucket length run as one Keras predict
@@ -407,7 +421,9 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
             )
 
         with checks.inputs_checked_on_host():
-            return batching.predict_in_groups(x, groups, super().predict_on_batch, restore)
+            return batching.predict_in_groups(
+                x, groups, super().predict_on_batch, restore, self.token_inputs()
+            )
 
     def _empty_outputs(self, x):
         """What `predict` returns for no examples: the outputs the model

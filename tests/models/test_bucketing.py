@@ -999,7 +999,7 @@ def test_jax_predict_compiles_its_bucket_programs_ahead(monkeypatch):
     model, x, _ = looping_task()
     with step_compiles() as compiles:
         got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
-        programs = model._kbert_ahead_predict.programs
+        programs = state_of(model).ahead_predict.programs
         assert len(programs) >= 3  # several bucket lengths and a partial batch
         for _, own in programs.values():  # compiling on after the batches ran on loop programs
             own.result(timeout=60)
@@ -1038,7 +1038,7 @@ def test_jax_predict_runs_its_first_batches_on_loop_programs(monkeypatch, reques
         got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
         batches = jax_compile.predict_loop_batches(model)
         assert batches == 5  # every batch (24 rows in batches of 5), on a loop program
-        programs = model._kbert_ahead_predict.programs
+        programs = state_of(model).ahead_predict.programs
         assert all(loop is not None and not own.done() for loop, own in programs.values())
         assert len(compiles) == len(programs)  # the loop programs, in the compiling threads
         release.set()
@@ -1057,7 +1057,7 @@ def test_jax_predict_runs_its_first_batches_on_loop_programs(monkeypatch, reques
         model.predict(x, batch_size=5, verbose=0, bucket_lengths=4), want, rtol=1e-5, atol=1e-6
     )
     assert jax_compile.predict_loop_batches(model) == 0
-    assert all(loop is None for loop, _ in model._kbert_ahead_predict.programs.values())
+    assert all(loop is None for loop, _ in state_of(model).ahead_predict.programs.values())
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX compiles per batch shape")
@@ -1082,3 +1082,23 @@ def test_jax_predict_runs_on_the_program_that_compiled(monkeypatch, failing):
         got = model.predict(x, batch_size=5, verbose=0, bucket_lengths=4)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert jax_compile.predict_loop_batches(model) == (0 if failing == "loop" else 10)
+
+
+def test_buckets_cut_the_inputs_a_model_declares_token_aligned():
+    """Length buckets cut the inputs the model names in `token_inputs()`
+    (the backbone's three for kbert's tasks), and leave the others whole."""
+    mask = (np.arange(32)[None] < np.array([[5], [9], [3], [7]])).astype("int32")
+    x = {
+        "token_ids": mask * 7,
+        "segment_ids": 0 * mask,
+        "padding_mask": mask,
+        "word_starts": mask.copy(),  # token-aligned, for a model that declares it
+    }
+    plain = batching.BucketedBatches(x, batch_size=4, multiple=16)
+    declared = batching.BucketedBatches(
+        x, batch_size=4, multiple=16, token_inputs=(*batching.TOKEN_INPUTS, "word_starts")
+    )
+    assert plain[0][0]["token_ids"].shape == (4, 16) == declared[0][0]["word_starts"].shape
+    assert plain[0][0]["word_starts"].shape == (4, 32)
+    model = kbert.BertClassifier(kbert.BertBackbone(20, 1, 2, 8, 16), num_classes=2)
+    assert model.token_inputs() == ("token_ids", "segment_ids", "padding_mask")

@@ -40,6 +40,7 @@ import time
 import keras
 
 import kbert
+from kbert import backend as kbert_backend
 from kbert.data import MaskingConfig, read_documents
 from kbert.training import ENGINES, create_optimizer, distribution_scope, fit_resumable
 from kbert.training.callbacks import CurveLogger, read_curves
@@ -403,7 +404,7 @@ def main(argv=None, prog=None, default_corpus=None):
     keras.utils.set_random_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     started = time.time()
-    backend = keras.backend.backend()
+    backend = kbert_backend.name()
     print(f"backend: {backend}, distribution: {args.distribution}, dtype: {args.dtype}")
 
     # First: jax.distributed starts before any JAX computation.
@@ -466,7 +467,7 @@ def main(argv=None, prog=None, default_corpus=None):
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(
             {k: float(v) for k, v in results.items()}
-            | {"seconds": time.time() - started, "backend": keras.backend.backend()},
+            | {"seconds": time.time() - started, "backend": kbert_backend.name()},
             f,
             indent=2,
         )

@@ -22,10 +22,10 @@ that ends while programs no step needs are still compiling returns; they
 finish in the background.
 
 On a GPU, XLA also autotunes each matrix product of a new program (it
-times candidate kernels). For BERT-base (batch 32, 64 tokens, H100) that
-is about 8 of a step program's 16 to 24 s of compilation, and it makes
-each step about 8% faster (6.5 against 7.1 ms): it repays itself after
-some 10,000 to 15,000 steps of that program. `step_options` leaves it
+times candidate kernels). For BERT-base that is about half of a step
+program's compilation, and it makes each step a few percent faster: it
+repays itself after some 10,000 steps of that program
+(benchmarks/RESULTS.md). `step_options` leaves it
 out of the programs of runs of fewer than `AUTOTUNE_MIN_STEPS` steps
 (`Task.compile(autotune=...)`). A run is what the training will do, not
 one call: a `fit`'s training steps count the optimizer's learning-rate
@@ -34,16 +34,16 @@ schedule (`run_steps`: `Task.compile(num_train_steps=...)`,
 (`fit_resumable`'s checkpoint-sized fits, a benchmark's short fits) gets
 the programs of a long run from its first piece on.
 
-A training program takes 9 to 13 s to compile even so, about 0.5 s per
-encoder block and 3.5 s for the optimizer's update, while the GPU waits.
+A training program takes seconds to compile even so, a share per encoder
+block and the largest for the optimizer's update, while the GPU waits.
 So each training shape is also compiled, first, as a loop program
 (`SplitProgram`): the step as two programs that compile side by side,
 the gradients with the blocks run as one `lax.scan` over their stacked
 weights (`BertBackbone.call` under `layers_in_loop()`: XLA compiles one
 block instead of twelve) and the optimizer's update, one program for
-every shape (`keras_internals.jax_split_train_step`). BERT-base on an
-H200, 80 tokens: 3.0 s to compile against 9.1 s for the step's own
-program, and 10.9 against 8.0 ms a step. The steps run the loop
+every shape (`keras_internals.jax_split_train_step`). For BERT-base a
+loop program compiles in about a third of the time of the step's own
+program, and runs each step about a third slower. The steps run the loop
 programs (`FirstPrograms`, which runs the ahead-compiled programs
 itself), and switch to the step's own program once it is compiled, for
 the shapes the run takes `OWN_PROGRAM_MIN_STEPS` steps of or more (over
@@ -96,9 +96,8 @@ UNKNOWN_RUN_STEPS = 10**9
 
 # XLA compiler options for programs that run few steps: no GEMM
 # autotuning, cuBLAS products chosen by its heuristics (Triton GEMMs
-# untuned were 10x slower), and LLVM without its expensive passes
-# (BERT-base training step on an H100: 12.3 s to compile against 14.2 s
-# without them, the step unchanged at 7.1 ms: XLA's own kernels are
+# untuned were far slower), and LLVM without its expensive passes (a
+# shorter compilation for the same step: XLA's own kernels are
 # element-wise and reductions, bound by memory).
 FAST_COMPILE_OPTIONS = {
     "xla_gpu_autotune_level": 0,
@@ -248,11 +247,10 @@ def plan(model, steps, kinds, replace=True):
 FIRST_PROGRAMS = True
 
 # A training shape gets the step's own program as well as its loop
-# program when the `fit` runs at least this many steps of it. BERT-base
-# SST-2 on an H200 (batch 32, 80 tokens): the own program traces for 2.5
-# s, compiles for 13 s beside the steps (9 s alone) and is ready after
-# about 1,050 of the 2,105 steps; the epoch took 30.0 s with it, and at
-# the loop programs' 10.9 ms a step would have taken about 31.7 s without.
+# program when the `fit` runs at least this many steps of it: for
+# BERT-base fine-tuning on SST-2 the own program is ready about half-way
+# through an epoch of 2,105 steps, and the epoch is a little shorter with
+# it than on the loop programs alone.
 OWN_PROGRAM_MIN_STEPS = 2_000
 
 
@@ -520,10 +518,8 @@ def compile_predict_ahead(model, batches):
     (the encoder blocks as one `lax.scan`), traced and compiled first,
     which runs its batches until the step's own program is compiled:
     where the own programs compile without autotuning and the backbone's
-    blocks can loop. BERT-base on an H200, batch 128 of 32 or 64 tokens:
-    0.1 to 0.2 s tracing and 0.5 to 0.7 s compiling against 0.2 to 0.3 s
-    and 0.8 to 1.0 s for the own program; 3.0 and 4.4 ms a batch against
-    2.5 and 3.9 ms."""
+    blocks can loop: a loop program traces and compiles in about two thirds
+    of the own program's time and runs its batches a little slower."""
     programs = state_of(model).ahead_predict
     if programs is None or model.predict_function is None or not len(batches):
         return
@@ -619,9 +615,8 @@ class SplitProgram:
     """A loop program: the training step as two programs,
     `keras_internals.jax_split_train_step`'s gradients (with the blocks in
     a loop) and then the optimizer's update, which compile side by side
-    (BERT-base on an H200, 80 tokens: 3.0 s, against 6.3 s for the step as
-    one program; its steps 0.5 ms slower) and the update of which serves
-    every shape."""
+    (about half the time of the step as one program, for slightly slower
+    steps) and the update of which serves every shape."""
 
     def __init__(self, grads, update):
         self.grads, self.update = grads, update
@@ -855,11 +850,10 @@ class AheadCompiler(keras.callbacks.Callback):
         shapes a loop program (where the blocks can loop) and, if a fit
         runs at least `OWN_PROGRAM_MIN_STEPS` steps of it (`steps_of_shape`:
         in this `fit`, or in the run of the optimizer's schedule it is a
-        piece of; or it has no loop program), the step's own. Traced in this order: the update
-        program the loop programs share (once per model; BERT-base's
-        compiles for 3.5 s, the longest of the programs the first step
-        waits for), the loop program of the first batch's shape, the other
-        loop programs, the step's own programs (the shapes with the most
+        piece of; or it has no loop program), the step's own. Traced in
+        this order: the update program the loop programs share (once per
+        model; the longest of the programs the first step waits for), the
+        loop program of the first batch's shape, the other loop programs, the step's own programs (the shapes with the most
         batches first)."""
         if not len(batches):
             if kind == "train":

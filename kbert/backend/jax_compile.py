@@ -853,8 +853,8 @@ class AheadCompiler(keras.callbacks.Callback):
         piece of; or it has no loop program), the step's own. Traced in
         this order: the update program the loop programs share (once per
         model; the longest of the programs the first step waits for), the
-        loop program of the first batch's shape, the other loop programs, the step's own programs (the shapes with the most
-        batches first)."""
+        loop program of the first batch's shape, the other loop programs,
+        the step's own programs (the shapes with the most batches first)."""
         if not len(batches):
             if kind == "train":
                 self.gate.set()

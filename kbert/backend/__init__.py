@@ -1,11 +1,21 @@
 """Backend-specific code, in one place.
 
 Layers and models call the public `keras.ops` and the named helpers here;
-only this package asks which backend runs.
+only this package asks which backend runs. The rest of kbert comes in
+through four doors (an import-linter contract keeps the engines below
+them out of every other package):
 
-- `ops`: the fused operations the layers use (dense, dropout, attention,
-  GELU, LayerNorm, embedding sum, sublayer calls), each with a `*_path()`
-  that reports which implementation runs.
+- this package: which backend runs, and on what device.
+- `ops`: the fused operations and attention kernels the layers use
+  (dense, dropout, attention, GELU, LayerNorm, embedding sum, sublayer
+  calls), each with a `*_path()` that reports which implementation runs.
+- `trainer`: what models and training ask of the engines (the step
+  hooks, fit and predict set-up, data parallelism, fused optimizer
+  updates), and `state_of(model)`, the one object (`state.TrainerState`)
+  the trainer keeps on a model or optimizer.
+- `keras_internals`: every use of private Keras API.
+
+The engines:
 - `jax_ops`, `torch_ops`: their JAX and torch implementations.
 - `torch_step`: the torch backend's training step (no host-device
   synchronisation; replayed as a CUDA graph on a GPU).
@@ -14,7 +24,8 @@ only this package asks which backend runs.
 - `jax_compile`: a JAX `fit`'s batch shapes compiled ahead, in background
   threads, on a GPU or TPU.
 - `tensorflow`: tf.distribute helpers (replica sums, multi-worker logs).
-- `keras_internals`: every use of private Keras API.
+- `torch_ddp`, `replicas`, `jax_cache`: data parallelism on torch, sums
+  over replicas, the JAX compilation cache.
 """
 
 import keras

@@ -240,13 +240,22 @@ def loss_normalisation():
     def share(loss, local_rows):
         if _STATE["normalised"]:
             # the model's shares already sum to the global loss
-            return loss, loss * world_size()
+            return loss, reported_loss(loss)
         # Keras' mean over this process's rows, weighted by its fraction of
         # the global batch (a fill kernel, not a host-to-device copy)
         local = torch.full((), float(local_rows), dtype=torch.float32, device=loss.device)
         return loss * (local / all_reduce_sum(local).to(loss.device)), loss
 
     yield share
+
+
+def reported_loss(loss):
+    """The loss a step logs, from the `loss` its model computed (call it
+    within `loss_normalisation`): a model that normalised by global totals
+    (`replica_sum`) returned this process's share of the global loss, which
+    times the process count is what the processes' logs average to the
+    global loss (`global_metrics_result`); any other loss is logged as is."""
+    return loss * world_size() if _STATE["normalised"] else loss
 
 
 def global_metrics_result(model, local_result):

@@ -734,11 +734,34 @@ def task_train_step(model, data):
     return train_step(model, data)
 
 
-def task_test_step(keras_test_step, *args, **kwargs):
+def task_test_step(model, keras_test_step, *args, **kwargs):
     """Keras' test step on host batches copied to the device, with its loss
-    and metric constants made on the device."""
+    and metric constants made on the device; under torch-ddp, the step
+    below."""
     with constants_on_device():
+        if torch_ddp.active():
+            return _ddp_test_step(model, *to_device(args), **kwargs)
         return keras_test_step(*to_device(args), **kwargs)
+
+
+def _ddp_test_step(model, data):
+    """Keras' torch test step, logging the loss as `_train_step` does: a
+    model whose loss is normalised by global totals (`BertPreTrainer`)
+    returns this process's share of it, not the loss."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    with torch_ddp.loss_normalisation():
+        if keras_internals.call_has_training_arg(model):
+            y_pred = model(x, training=False)
+        else:
+            y_pred = model(x)
+        loss = keras_internals.compute_loss(model, x, y, y_pred, sample_weight, training=False)
+        reported = torch_ddp.reported_loss(loss)
+    first = next(i for i in keras.tree.flatten(x) if i is not None)
+    keras_internals.loss_tracker(model).update_state(
+        reported,
+        sample_weight=torch.full((), first.shape[0], dtype=torch.float32, device=loss.device),
+    )
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 class GraphedForward(_GraphsPerShape):

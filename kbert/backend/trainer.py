@@ -91,7 +91,7 @@ class BackendTrainer(keras_internals.TrainerShims):
         if backend.is_torch():
             # Validation inside fit gets host batches too, and Keras' loss
             # and metric constants are made on the device.
-            return torch_step.task_test_step(super().test_step, *args, **kwargs)
+            return torch_step.task_test_step(self, super().test_step, *args, **kwargs)
         return tf_backend.multi_worker_logs(self, super().test_step(*args, **kwargs))
 
     def get_metrics_result(self):

@@ -4,7 +4,8 @@ test_torch_ddp.py).
 
     python -m tests.training.multiprocess_worker CHECKPOINT_DIR OUT.npz \
         [--coordinator-address HOST:PORT --num-processes N --process-id I] \
-        [--engine torch-ddp] [--clipnorm C] [--kill-at N] [--term-at N] [--seed S]
+        [--engine torch-ddp] [--clipnorm C] [--kill-at N] [--term-at N] [--seed S] \
+        [--evaluate]
 
 Without --num-processes or --engine: one process, one device, no
 distribution. With --num-processes: `jax-data-parallel` over N processes
@@ -14,8 +15,9 @@ its variables) started, gloo on CPU. Every process feeds the same global
 batches; each trains on its share. --kill-at N: SIGKILL itself after step N. --term-at
 N: SIGTERM itself after step N (all processes then stop at the next
 checkpoint and exit 143). A finished
-run writes the final weights, the losses and the process count to OUT.npz
-(process 0 only). Progress goes to stderr, so a failing test shows where a
+run writes the final weights, the losses, the process count and (with
+--evaluate) `evaluate`'s loss, mlm_loss and nsp_loss to OUT.npz (process 0
+only). Progress goes to stderr, so a failing test shows where a
 process stopped.
 """
 
@@ -61,6 +63,9 @@ def main():
     # torch-ddp: sum the gradients after the backward pass, as a step
     # replayed as a CUDA graph does, instead of through DDP's hooks
     p.add_argument("--sync-after-backward", action="store_true")
+    # after training: evaluate on two global batches, every process on all
+    # of their rows (as `evaluate` runs under torch-ddp)
+    p.add_argument("--evaluate", action="store_true")
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)  # a restarted process gets other initial weights
     engine = args.engine or ("none" if args.num_processes is None else "jax-data-parallel")
@@ -128,12 +133,17 @@ def main():
     except SystemExit as stopped:  # stopped by SIGTERM after a checkpoint
         log(f"exit {stopped.code}")
         leave(args, stopped.code)
+    evaluated = {}
+    if args.evaluate:
+        logs = model.evaluate(make(0).take(2), verbose=0, return_dict=True)
+        evaluated["evaluated"] = np.asarray([logs[k] for k in ("loss", "mlm_loss", "nsp_loss")])
     if process_index() == 0:
         np.savez(
             args.out,
             *[keras.ops.convert_to_numpy(v) for v in model.weights],
             losses=np.asarray(losses),
             processes=process_count(),
+            **evaluated,
         )
     log("done")
     leave(args, 0)

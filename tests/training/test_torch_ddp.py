@@ -96,7 +96,7 @@ def runs(tmp_path_factory):
     does) and one-process runs of each."""
     root = tmp_path_factory.mktemp("ddp")
     flags = {
-        "free": ("--no-dropout", "--clipnorm", "0"),
+        "free": ("--no-dropout", "--clipnorm", "0", "--evaluate"),
         "clip": ("--no-dropout", "--clipnorm", "1e-4"),
     }
     started = [
@@ -116,6 +116,7 @@ def runs(tmp_path_factory):
     for code, output in zip(codes, outputs):
         assert code == 0, output[-3000:]
     results = {name: load_run(root / f"{name}.npz") for name in ("pair-free", "single-free")}
+    results.update({f"{name}-path": root / f"{name}.npz" for name in ("pair-free", "single-free")})
     results.update({name: load_run(root / f"{name}.npz") for name in ("pair-clip", "single-clip")})
     for name in ("fit-pair", "fit-single"):
         with np.load(root / f"{name}.npz") as f:
@@ -147,6 +148,18 @@ def test_two_processes_equal_one_process(runs, mode):
     assert len(losses) == 6
     np.testing.assert_allclose(losses, single_losses, atol=1e-5, rtol=0)
     assert_close(weights, single_weights, atol=1e-5)
+
+
+@pytest.mark.large
+def test_evaluate_logs_the_loss_of_one_process(runs):
+    # The pre-trainer's loss is normalised by global totals, so each
+    # process computes a share of it: the logged total must be the whole
+    # (it was the share, half of it, while the parts were whole).
+    _, results = runs
+    pair = np.load(results["pair-free-path"])["evaluated"]
+    single = np.load(results["single-free-path"])["evaluated"]
+    np.testing.assert_allclose(pair, single, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(pair[0], pair[1] + pair[2], atol=1e-5, rtol=0)
 
 
 @pytest.mark.large

@@ -50,10 +50,14 @@ class BertClassifier(Task):
     def call(self, inputs, training=None, mask=None, **kwargs):
         if isinstance(inputs, dict) and batching.PACKED_KEY in inputs:
             # rows holding several examples (`fit` with `pack_rows`): one
-            # [CLS] per example, then the head as in the functional graph
+            # [CLS] per example, then the head as in the functional graph.
+            # `training` to every layer: JAX's step runs this `call` without
+            # Keras' call context, and a float8 layer called without it
+            # returns no new scales (its scales became 0, its outputs NaN).
             pooled = self.backbone(inputs, training=training)["pooled_output"]
             x = self.get_layer("classifier_dropout")(pooled, training=training)
-            return self.get_layer("float32_logits")(self.get_layer("logits")(x))
+            logits = self.get_layer("logits")(x, training=training)
+            return self.get_layer("float32_logits")(logits)
         return super().call(inputs, training=training, mask=mask, **kwargs)
 
     config_names = ("num_classes", "dropout", "freeze_backbone")

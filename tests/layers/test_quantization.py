@@ -142,3 +142,29 @@ def test_float8_fit_steps_are_finite_and_update_the_scales(classifier):
     # the steps' maxima instead of its zero initialisation
     dense = classifier.backbone.get_layer("transformer_layer_0").intermediate_dense
     assert keras.ops.convert_to_numpy(dense.inputs_amax_history)[0] > 0
+
+
+@pytest.mark.parametrize("pack_rows", [None, True])
+def test_float8_fit_on_raw_text_with_buckets_and_packed_rows(pack_rows):
+    # Raw strings take fit's length buckets, and on JAX on a CPU packed rows
+    # by default (`pack_rows=None`), whose classifier head JAX's step ran
+    # without `training`: the head's float8 scales became 0 after the first
+    # step and the loss NaN.
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "film", "not", "a"]
+    texts = ["good film", "bad", "not a good film", "a bad bad film", "good", "not bad"] * 2
+    labels = np.array([1, 0, 0, 0, 1, 1] * 2)
+    keras.utils.set_random_seed(0)
+    model = kbert.BertClassifier(
+        kbert.BertBackbone(**{**TINY, "vocabulary_size": len(vocab)}),
+        num_classes=2,
+        preprocessor=kbert.BertPreprocessor(kbert.BertTokenizer(vocab), sequence_length=16),
+    )
+    quantize(model, "float8")
+    model.compile(learning_rate=1e-3)
+    history = model.fit(texts, labels, batch_size=4, epochs=1, pack_rows=pack_rows, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    for layer in keras_internals.flatten_layers(model):
+        if layer.quantization_mode == "float8":  # every layer's scales stay usable
+            for scale in (layer.inputs_scale, layer.kernel_scale, layer.outputs_grad_scale):
+                value = float(keras.ops.convert_to_numpy(scale))
+                assert np.isfinite(value) and value > 0, (layer.path, scale.name, value)

@@ -79,6 +79,31 @@ def _answer_targets(y):
     return y
 
 
+def _tokenizer_differences(teacher, student):
+    """The tokenizer settings in which two preprocessors differ (names)."""
+    a, b = teacher.get_config()["tokenizer"], student.get_config()["tokenizer"]
+    return [key for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+
+
+def _shared_preprocessor(teacher, student):
+    """(the preprocessor raw text goes through, or None; why there is none
+    although a model carries one, or None). The student's, else the
+    teacher's: the inputs feed both models, so both must tokenize alike."""
+    t_pre = getattr(teacher, "preprocessor", None)
+    s_pre = getattr(student, "preprocessor", None)
+    if t_pre is not None and s_pre is not None:
+        differ = _tokenizer_differences(t_pre, s_pre)
+        if differ:
+            return None, (
+                "BertDistiller got raw text, but its teacher and student tokenize differently "
+                f"(their tokenizers differ in {', '.join(differ)}), so one text would give "
+                "each model other tokens; give both models one tokenizer (build the "
+                "student from the teacher's preset or preprocessor), or pass model inputs "
+                "(a dict with token_ids, segment_ids, padding_mask)"
+            )
+    return (s_pre if s_pre is not None else t_pre), None
+
+
 def student_from_teacher(teacher_backbone, layers=(0, 2, 4), name=None):
     """A smaller `BertBackbone` initialised from chosen teacher blocks
     (DistilBERT: every other layer).
@@ -306,6 +331,12 @@ class BertDistiller(Task):
     (`ce_loss`, `mlm_loss`, ...). Only the student (and the projection)
     train; `distiller.student` is the model to keep.
 
+    `fit` takes raw text where the student carries a preprocessor (a
+    `from_preset` model does), or else the teacher: the text goes through
+    that one preprocessor to both models. Where both carry one and their
+    tokenizers differ (vocabulary, lowercasing, rules, ...), raw text is
+    refused, naming the difference; model inputs still train.
+
     Building the distiller freezes the teacher (`teacher.trainable` and
     each of its weights become False); to fine-tune the teacher itself
     again, set `teacher.trainable = True` (a task model built with
@@ -474,7 +505,10 @@ class BertDistiller(Task):
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
 
         # === Config ===
-        self._set_backbone(s_backbone)
+        # Raw text: through the student's preprocessor (else the teacher's),
+        # where the two tokenize alike.
+        preprocessor, self.preprocessor_conflict = _shared_preprocessor(teacher, student)
+        self._set_backbone(s_backbone, preprocessor)
         self.teacher = teacher
         self.student = student
         self.family = family

@@ -91,6 +91,9 @@ def convert(task, x, y, with_targets=True):
     if task.preprocessor is None and (
         is_text(x) or is_pair_list(x) or (isinstance(x, tuple) and len(x) == 2 and is_text(x[0]))
     ):
+        conflict = getattr(task, "preprocessor_conflict", None)  # why a model has none
+        if conflict:
+            raise ValueError(conflict)
         raise ValueError(
             f"{type(task).__name__} got raw text but has no preprocessor to tokenize it; "
             "attach one: `model.preprocessor = kbert.BertPreprocessor.from_directory("

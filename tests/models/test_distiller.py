@@ -314,3 +314,44 @@ def test_config_round_trip():
     )
     clone = harness.check_config_round_trip(distiller)
     assert clone.layer_map == [1] and clone.active == {"cos": 1.0, "hidden": 1.0}
+
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "film", "not", "a", "plot"]
+TEXTS = ["good film", "bad plot", "not a good film", "a bad film", "good plot", "not bad"]
+LABELS = np.array([1, 0, 0, 0, 1, 1])
+
+
+def text_classifier(num_layers, lowercase=True, preprocessor=True):
+    backbone = kbert.BertBackbone(
+        **{**SMALL, "vocabulary_size": len(WORDS), "num_layers": num_layers}
+    )
+    tokenizer = kbert.BertTokenizer(WORDS, lowercase=lowercase)
+    pre = kbert.BertPreprocessor(tokenizer, sequence_length=16) if preprocessor else None
+    return kbert.BertClassifier(backbone, num_classes=2, preprocessor=pre)
+
+
+def test_distiller_fits_raw_text_through_the_students_preprocessor(tmp_path):
+    # Both models from presets, each carrying its preprocessor.
+    text_classifier(2).save_to_preset(tmp_path / "teacher")
+    text_classifier(1).save_to_preset(tmp_path / "student")
+    teacher = kbert.BertClassifier.from_preset(tmp_path / "teacher")
+    student = kbert.BertClassifier.from_preset(tmp_path / "student")
+    distiller = kbert.BertDistiller(teacher, student)
+    assert distiller.preprocessor is student.preprocessor
+    distiller.compile(learning_rate=1e-3)
+    history = distiller.fit(TEXTS, LABELS, batch_size=3, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    # a student without one: the teacher's (same tokens for both)
+    bare = text_classifier(1, preprocessor=False)
+    assert kbert.BertDistiller(teacher, bare).preprocessor is teacher.preprocessor
+
+
+def test_distiller_refuses_raw_text_when_the_models_tokenize_differently():
+    teacher, student = text_classifier(2), text_classifier(1, lowercase=False)
+    distiller = kbert.BertDistiller(teacher, student)
+    distiller.compile()
+    with pytest.raises(ValueError, match="tokenize differently.*lowercase"):
+        distiller.fit(TEXTS, LABELS, verbose=0)
+    # model inputs still train
+    x = {k: np.asarray(v) for k, v in student.preprocessor(TEXTS).items()}
+    distiller.fit(x, LABELS, batch_size=3, epochs=1, verbose=0)

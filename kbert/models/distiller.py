@@ -22,7 +22,7 @@ import numpy as np
 from keras import ops
 
 from kbert.layers import initializers
-from kbert.models.backbone import BertBackbone
+from kbert.models.backbone import BertBackbone, encoder_forward, is_packed
 from kbert.models.classifier import BertClassifier
 from kbert.models.pretrainer import _PreTrainingTask, masked_lm_loss
 from kbert.models.question_answerer import BertQuestionAnswerer
@@ -153,30 +153,55 @@ def forward(model, inputs, hidden_layers=(), score_layers=(), training=None):
     `hidden_layers` (0 the embedding output, i the output of block i,
     1-based) and `scores_{i}` for i in `score_layers` (block i's attention
     scores). `training`: passed explicitly to every layer when not None.
+    Packed rows (`inputs` of `BertBackbone`'s packed forward, a classifier's
+    `fit`): hidden states per row, logits per example; no scores.
     """
     kw = {} if training is None else {"training": training}
     family = _family(model, "model")
     backbone = _backbone_of(model)
     mask = inputs["padding_mask"]
-    x = backbone.get_layer("embeddings")(inputs["token_ids"], inputs["segment_ids"], **kw)
     out = {}
     wanted = set(hidden_layers)
-    if 0 in wanted:
-        out["hidden_0"] = x
-    for i, block in enumerate(backbone.transformer_layers, start=1):
-        if i in score_layers:
-            out[f"scores_{i}"] = _attention_scores(block, x, kw)
-        if i > max([*wanted, *score_layers, 0]) and family == "backbone":
-            break  # nothing later is read
-        x = block(x, mask, **kw)
-        if i in wanted:
-            out[f"hidden_{i}"] = x
+    pooled = None
+    if is_packed(inputs):
+        if score_layers or family != "sequence":
+            raise ValueError(
+                "packed rows give a classifier's logits and hidden states, not attention "
+                "scores or per-token outputs (fit with pack_rows=False)"
+            )
+        features = encoder_forward(
+            backbone.get_layer("embeddings"),
+            backbone.transformer_layers,
+            backbone.get_layer("pooler"),
+            inputs,
+            training=training,
+            hidden_states=bool(wanted),
+        )
+        out.update({f"hidden_{i}": features["hidden_states"][:, i] for i in sorted(wanted)})
+        x, pooled = features["sequence_output"], features["pooled_output"]
+    else:
+        x = backbone.get_layer("embeddings")(inputs["token_ids"], inputs["segment_ids"], **kw)
+        if 0 in wanted:
+            out["hidden_0"] = x
+        for i, block in enumerate(backbone.transformer_layers, start=1):
+            if i in score_layers:
+                out[f"scores_{i}"] = _attention_scores(block, x, kw)
+            if i > max([*wanted, *score_layers, 0]) and family == "backbone":
+                break  # nothing later is read
+            x = block(x, mask, **kw)
+            if i in wanted:
+                out[f"hidden_{i}"] = x
     if family == "mlm":
         out["logits"] = model.get_layer("mlm_head")(x, inputs["mask_positions"], **kw)
     elif family != "backbone":
-        features = backbone.get_layer("pooler")(x) if family == "sequence" else x
+        features = x
+        if family == "sequence":
+            features = backbone.get_layer("pooler")(x, **kw) if pooled is None else pooled
         logits = model.get_layer("classifier_dropout")(features, **kw)
-        logits = model.get_layer("float32_logits")(model.get_layer("logits")(logits))
+        # `training` to every layer: JAX's step gives no Keras call context
+        # (a float8 layer needs it to update its scales)
+        logits = model.get_layer("logits")(logits, **kw)
+        logits = model.get_layer("float32_logits")(logits)
         if family == "span":  # (B, T, 2) -> start, end over T, padding masked
             start = model.get_layer("start_logits")(logits[:, :, 0], mask)
             end = model.get_layer("end_logits")(logits[:, :, 1], mask)
@@ -283,6 +308,24 @@ class StudentForward(_Forward):
 
 
 _LOSSES = ("ce", "mlm", "task", "cos", "hidden", "attention")
+
+
+def _outputs(t_out, s_out, pairs, score_pairs, projection):
+    """The distiller's outputs from the teacher's and student's `forward`:
+    the paired hidden states (the student's projected to the teacher's
+    width), attention scores and logits."""
+    outputs = {}
+    for s, t in pairs:
+        hidden = s_out[f"hidden_{s}"]
+        outputs[f"student_hidden_{s}"] = projection(hidden) if projection else hidden
+        outputs[f"teacher_hidden_{t}"] = t_out[f"hidden_{t}"]
+    for s, t in score_pairs:
+        outputs[f"student_scores_{s}"] = s_out[f"scores_{s}"]
+        outputs[f"teacher_scores_{t}"] = t_out[f"scores_{t}"]
+    if "logits" in s_out:
+        outputs["student_logits"] = s_out["logits"]
+        outputs["teacher_logits"] = t_out["logits"]
+    return outputs
 
 
 def _weighted_mean(losses, sample_weight):
@@ -491,17 +534,7 @@ class BertDistiller(Task):
                 dtype=s_backbone.get_layer("embeddings").dtype_policy,
                 name="hidden_projection",
             )
-        outputs = {}
-        for s, t in pairs:
-            hidden = s_out[f"hidden_{s}"]
-            outputs[f"student_hidden_{s}"] = projection(hidden) if projection else hidden
-            outputs[f"teacher_hidden_{t}"] = t_out[f"hidden_{t}"]
-        for s, t in score_pairs:
-            outputs[f"student_scores_{s}"] = s_out[f"scores_{s}"]
-            outputs[f"teacher_scores_{t}"] = t_out[f"scores_{t}"]
-        if family != "backbone":
-            outputs["student_logits"] = s_out["logits"]
-            outputs["teacher_logits"] = t_out["logits"]
+        outputs = _outputs(t_out, s_out, pairs, score_pairs, projection)
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
 
         # === Config ===
@@ -519,6 +552,20 @@ class BertDistiller(Task):
         self.pairs = pairs
         self.score_pairs = score_pairs
         self.loss_trackers = {k: keras.metrics.Mean(name=f"{k}_loss") for k in active}
+        # Classifiers: `fit` may pack several examples per row, as the
+        # student's own `fit` does (all but attention scores are per token
+        # of a row or per example).
+        self.packs_rows = family == "sequence" and not score_pairs
+
+    def call(self, inputs, training=None, mask=None, **kwargs):
+        if is_packed(inputs):  # not in the functional graph, as `BertClassifier.call`
+            t_out = self.get_layer("teacher_forward")(inputs)
+            s_out = self.get_layer("student_forward")(inputs, training=training)
+            projection = None
+            if any(layer.name == "hidden_projection" for layer in self.layers):
+                projection = self.get_layer("hidden_projection")
+            return _outputs(t_out, s_out, self.pairs, self.score_pairs, projection)
+        return super().call(inputs, training=training, mask=mask, **kwargs)
 
     def check_targets(self, y):
         """The label checks of the student's task (class ids, one per

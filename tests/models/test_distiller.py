@@ -355,3 +355,36 @@ def test_distiller_refuses_raw_text_when_the_models_tokenize_differently():
     # model inputs still train
     x = {k: np.asarray(v) for k, v in student.preprocessor(TEXTS).items()}
     distiller.fit(x, LABELS, batch_size=3, epochs=1, verbose=0)
+
+
+def test_classifier_distillation_packs_rows_as_the_classifier_does():
+    # Packed rows (the default of `fit` on JAX on a CPU, where they save most
+    # of the work on short texts): the same losses as one example per row.
+    weights = np.array([1, 1, 0, 1, 0, 1], "float32")  # two of a transfer set
+    losses = {}
+    for pack in (True, False):
+        keras.utils.set_random_seed(0)
+        teacher = text_classifier(2)
+        student = kbert.BertClassifier(
+            kbert.BertBackbone(
+                **{**SMALL, "vocabulary_size": len(WORDS), "num_layers": 1, "dropout": 0.0}
+            ),
+            num_classes=2,
+            dropout=0.0,
+        )
+        distiller = kbert.BertDistiller(teacher, student, alpha_hidden=1.0)
+        distiller.compile(learning_rate=1e-3)
+        history = distiller.fit(
+            teacher.preprocessor(TEXTS),
+            LABELS,
+            sample_weight=weights,
+            batch_size=3,
+            epochs=2,
+            shuffle=False,
+            pack_rows=pack,
+            verbose=0,
+        )
+        losses[pack] = {k: v for k, v in history.history.items() if k.endswith("loss")}
+    assert set(losses[True]) == {"loss", "ce_loss", "task_loss", "cos_loss", "hidden_loss"}
+    for name, values in losses[False].items():
+        np.testing.assert_allclose(losses[True][name], values, rtol=1e-3, atol=1e-6, err_msg=name)

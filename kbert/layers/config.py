@@ -8,10 +8,17 @@ _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 
 @functools.cache
 def constructor_arguments(cls):
-    """The names of `cls.__init__`'s arguments, in order (not `self`, not
-    `*args` / `**kwargs`)."""
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    return tuple(p.name for p in parameters if p.kind in _NAMED)
+    """The names of the constructor arguments of `cls` and of the classes
+    it derives from that define one, base classes' first, each in its
+    signature's order (not `self`, not `*args` / `**kwargs`): a subclass
+    that adds arguments and passes the rest on keeps its base's config."""
+    names = []
+    for klass in reversed(cls.__mro__):
+        if "__init__" not in vars(klass) or not issubclass(klass, ArgumentsConfig):
+            continue
+        parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]
+        names += [p.name for p in parameters if p.kind in _NAMED and p.name not in names]
+    return tuple(names)
 
 
 class ArgumentsConfig:
@@ -39,14 +46,17 @@ class ArgumentsConfig:
     config_omitted = {}
 
     def store_arguments(self, values):
-        """Sets `self.<name>` for each constructor argument from `values`
-        (the constructor's `locals()`)."""
+        """Sets `self.<name>` for each constructor argument in `values` (the
+        calling constructor's `locals()`)."""
         for name in constructor_arguments(type(self)):
-            setattr(self, name, values[name])
+            if name in values:
+                setattr(self, name, values[name])
 
     def get_config(self):
         config = super().get_config()
         for name in constructor_arguments(type(self)):
+            if not hasattr(self, name):  # a subclass's argument it keeps itself
+                continue
             value = getattr(self, name)
             omitted = name in self.config_omitted and value == self.config_omitted[name]
             if name not in self.config_excluded and not omitted:

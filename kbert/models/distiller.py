@@ -310,7 +310,7 @@ class StudentForward(_Forward):
 _LOSSES = ("ce", "mlm", "task", "cos", "hidden", "attention")
 
 
-def _outputs(t_out, s_out, pairs, score_pairs, projection):
+def _paired_outputs(t_out, s_out, pairs, score_pairs, projection):
     """The distiller's outputs from the teacher's and student's `forward`:
     the paired hidden states (the student's projected to the teacher's
     width), attention scores and logits."""
@@ -534,7 +534,7 @@ class BertDistiller(Task):
                 dtype=s_backbone.get_layer("embeddings").dtype_policy,
                 name="hidden_projection",
             )
-        outputs = _outputs(t_out, s_out, pairs, score_pairs, projection)
+        outputs = _paired_outputs(t_out, s_out, pairs, score_pairs, projection)
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
 
         # === Config ===
@@ -564,7 +564,7 @@ class BertDistiller(Task):
             projection = None
             if any(layer.name == "hidden_projection" for layer in self.layers):
                 projection = self.get_layer("hidden_projection")
-            return _outputs(t_out, s_out, self.pairs, self.score_pairs, projection)
+            return _paired_outputs(t_out, s_out, self.pairs, self.score_pairs, projection)
         return super().call(inputs, training=training, mask=mask, **kwargs)
 
     def check_targets(self, y):

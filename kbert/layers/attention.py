@@ -91,11 +91,7 @@ def select_implementation(name, mask, dtype, rate):
             if implementation is not None and implementation.supports(mask, dtype, rate):
                 return implementation
         raise ValueError(f"no attention implementation supports {mask!r}")  # "explicit" does
-    if name not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
-            f"unknown attention_implementation {name!r}; known: "
-            f"{['auto', *ATTENTION_IMPLEMENTATIONS]}"
-        )
+    check_implementation_name(name)
     implementation = ATTENTION_IMPLEMENTATIONS[name]
     if not implementation.supports(mask, dtype, rate):
         raise ValueError(
@@ -112,10 +108,7 @@ def select_implementation(name, mask, dtype, rate):
 def _explicit(query, key, value, mask, scale, dropout):
     scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
     scores = ops.cast(scores, "float32") * scale
-    if mask.kind == "padding":
-        keep = kernels.attention_keep(mask.padding)  # (B, 1, 1, S)
-    else:
-        keep = mask.dense(ops.shape(query)[1], ops.shape(key)[1])[:, None]  # (B, 1, T, S)
+    keep = _keep(mask, query, key)  # (B, 1, 1, S) or (B, 1, T, S)
     # Masked keys get -1e30 (exp underflows to exactly 0). An additive bias
     # rather than where(keep, scores, full_like(-1e30)): the filled constant
     # is a host-to-device copy per layer on torch, which synchronises the
@@ -160,10 +153,7 @@ register_attention(
     "jax-cudnn-flash",
     _cudnn,
     lambda mask, dtype, rate: (
-        not rate
-        and mask.kind == "padding"
-        and mask.padding is not None
-        and kernels.cudnn_attention_available(dtype)
+        not rate and mask.kind == "padding" and kernels.cudnn_attention_available(dtype)
     ),
 )
 

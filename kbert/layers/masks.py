@@ -99,10 +99,11 @@ class AttentionMask:
 
     @property
     def kind(self):
-        """ "padding" when only `padding` is set (per-row key lengths say it
-        all), else "general"."""
+        """ "padding" when `padding` is the only part set (per-row key
+        lengths say it all), else "general"."""
         general = (
-            self.segments is not None
+            self.padding is None
+            or self.segments is not None
             or self.causal
             or self.window is not None
             or self.global_tokens is not None

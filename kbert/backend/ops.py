@@ -98,6 +98,21 @@ host, `kbert.utils.checks`).
 
 `reverse_table_padding(rows)`: JAX pads the MLM decoder's vocabulary table to
 a multiple of 64 rows (tensor-core alignment; the logits are sliced back).
+
+`int8_matmul(x, kernel)`: the exact int32 product of int8 x (..., I) and
+int8 kernel (I, O), the product of Keras' int8 `Dense` (per-token int8
+inputs, per-channel int8 kernel). Keras computes it with `ops.matmul`,
+which on torch and TensorFlow widens both to int32 and runs a generic
+integer product, slower on a CPU than the float32 product it replaces.
+- torch: `torch._int_mm` (oneDNN's VNNI kernel on a CPU, cuBLASLt's on a
+  GPU, which takes more than 16 rows and I, O multiples of 8: fewer rows
+  are padded; other widths take the generic product).
+- TensorFlow outside XLA: oneDNN's `QuantizedMatMulWithBias` with int32
+  output, where the build has it (x + 128 as unsigned bytes; the kernel's
+  column sums times 128 subtracted through the int32 bias, so the result
+  is exact); inside XLA, or without that kernel, `matmul` with int32 output.
+- JAX: `dot_general` with int32 accumulation (what Keras runs already).
+- Inside `portable_graph()` (export): `keras.ops.matmul` everywhere.
 """
 
 import contextlib
@@ -112,6 +127,8 @@ if backend.is_jax():
     from kbert.backend import jax_ops
 elif backend.is_torch():
     from kbert.backend import torch_ops
+elif backend.is_tensorflow():
+    from kbert.backend import tensorflow as tf_ops
 
 
 def fill_padding(x, padding_mask, value):
@@ -154,6 +171,33 @@ def fused_dense(inputs, kernel, bias=None, cache=None):
         return torch_ops.dense(inputs, kernel, bias, cache)
     x = ops.matmul(inputs, kernel)
     return x if bias is None else ops.add(x, bias)
+
+
+def int8_matmul_path(inputs=None, kernel=None):
+    """Which implementation `int8_matmul` uses on this backend (for these
+    operands, where that matters)."""
+    if getattr(_PORTABLE, "depth", 0):
+        return "keras-matmul-int32"
+    if backend.is_torch():
+        if inputs is None or kernel is None:
+            return "torch-int-mm"
+        return torch_ops.int8_matmul_path(
+            ops.convert_to_tensor(inputs), ops.convert_to_tensor(kernel)
+        )
+    if backend.is_tensorflow():
+        return tf_ops.int8_matmul_path()
+    return "keras-matmul-int32"
+
+
+def int8_matmul(inputs, kernel):
+    """inputs (..., I) int8, kernel (I, O) int8 -> (..., O) int32, exact."""
+    if getattr(_PORTABLE, "depth", 0):
+        return ops.matmul(inputs, kernel)  # Keras widens to int32 where it must
+    if backend.is_torch():
+        return torch_ops.int8_matmul(inputs, kernel)
+    if backend.is_tensorflow():
+        return tf_ops.int8_matmul(inputs, kernel)
+    return ops.matmul(inputs, kernel)  # Keras' JAX matmul accumulates int8 in int32
 
 
 def fused_dropout_path():
@@ -234,27 +278,28 @@ def fused_layer_norm(x, gamma, beta, epsilon):
     return ops.layer_normalization(x, gamma, beta, axis=-1, epsilon=epsilon)
 
 
-# Nesting depth of `padded_blocks()`, per thread.
-_PADDED_ONLY = threading.local()
+# Nesting depth of `portable_graph()`, per thread.
+_PORTABLE = threading.local()
 
 
 @contextlib.contextmanager
-def padded_blocks():
+def portable_graph():
     """Within the block (in this thread), encoder blocks run on the padded
-    batch: for graphs traced to be saved (SavedModel, ONNX), which must run
-    anywhere, at any shape, on any device."""
-    _PADDED_ONLY.depth = getattr(_PADDED_ONLY, "depth", 0) + 1
+    batch and the int8 product is a plain integer `matmul`: for graphs
+    traced to be saved (SavedModel, ONNX), which must run anywhere, at any
+    shape, on any device, and convert to ONNX."""
+    _PORTABLE.depth = getattr(_PORTABLE, "depth", 0) + 1
     try:
         yield
     finally:
-        _PADDED_ONLY.depth -= 1
+        _PORTABLE.depth -= 1
 
 
 def token_packing(inputs, padding_mask):
     """An object with `gather` ((B, T, C) -> (n, C), the real tokens),
     `scatter` (back) and `attention_groups` for this block input, or None
     where the block runs on the padded batch."""
-    if getattr(_PADDED_ONLY, "depth", 0):
+    if getattr(_PORTABLE, "depth", 0):
         return None
     if backend.is_torch():
         return torch_ops.token_packing(inputs, padding_mask)

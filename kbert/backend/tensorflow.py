@@ -1,5 +1,5 @@
 """TensorFlow helpers: replica sums, replica-exact clipping, multi-worker
-logs, token packing on a CPU, the fused Adam update. TensorFlow is imported
+logs, token packing on a CPU, the fused Adam update, the int8 product. TensorFlow is imported
 only when the backend is TensorFlow."""
 
 import keras
@@ -183,3 +183,68 @@ def fused_adam_update(optimizer, gradient, variable, learning_rate):
         grad=tf.cast(tf.convert_to_tensor(gradient), tf.float32),
     )
     return True
+
+
+_ONEDNN_INT8 = []
+
+
+def _onednn_int8_available():
+    """Whether this TensorFlow build registers oneDNN's quantized product on
+    the CPU (x86 builds do; others lack the kernel). Asked once, by running
+    it on a 1 x 1 product: TensorFlow has no public registry query."""
+    if not _ONEDNN_INT8:
+        import tensorflow as tf
+
+        try:
+            with tf.init_scope():  # eagerly, also when first asked inside a graph
+                _onednn_product(tf.ones((1, 1), tf.int8), tf.ones((1, 1), tf.int8))
+            _ONEDNN_INT8.append(True)
+        except tf.errors.NotFoundError:
+            _ONEDNN_INT8.append(False)
+    return _ONEDNN_INT8[0]
+
+
+def _onednn_product(x2, kernel):
+    """Exact int32 x2 (M, I) @ kernel (I, O) through oneDNN's quantized
+    product, which takes unsigned bytes on the left: it computes
+    (x + 128) @ k, and the int32 bias -128 * colsum(k) restores x @ k."""
+    import tensorflow as tf
+
+    shifted = tf.bitcast(tf.cast(tf.cast(x2, tf.int16) + 128, tf.uint8), tf.quint8)
+    bias = tf.bitcast(-128 * tf.reduce_sum(tf.cast(kernel, tf.int32), axis=0), tf.qint32)
+    low, high = tf.constant(-128.0), tf.constant(127.0)
+    out = tf.raw_ops.QuantizedMatMulWithBias(
+        a=shifted,
+        b=tf.bitcast(kernel, tf.qint8),
+        bias=bias,
+        min_a=low,
+        max_a=high,
+        min_b=low,
+        max_b=high,
+        Toutput=tf.qint32,
+    )[0]
+    return tf.bitcast(out, tf.int32)
+
+
+def int8_matmul_path():
+    """Which product `int8_matmul` runs here."""
+    import tensorflow as tf
+
+    if in_xla_context() or tf.config.list_logical_devices("GPU"):
+        return "tf-matmul-int32"  # the oneDNN kernel is a CPU kernel, outside XLA
+    if not _onednn_int8_available():
+        return "tf-matmul-int32"
+    return "tf-onednn-int8"
+
+
+def int8_matmul(inputs, kernel):
+    """inputs (..., I) int8 @ kernel (I, O) int8 -> (..., O) int32, exact."""
+    import tensorflow as tf
+
+    inputs = tf.convert_to_tensor(inputs)
+    kernel = tf.convert_to_tensor(kernel)
+    if int8_matmul_path() == "tf-matmul-int32":
+        return tf.linalg.matmul(inputs, kernel, output_type=tf.int32)
+    lead = tf.shape(inputs)[:-1]
+    out = _onednn_product(tf.reshape(inputs, (-1, tf.shape(inputs)[-1])), kernel)
+    return tf.reshape(out, tf.concat([lead, tf.shape(kernel)[-1:]], 0))

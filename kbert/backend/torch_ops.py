@@ -59,6 +59,35 @@ def dense(inputs, kernel, bias=None, cache=None):
     return torch.nn.functional.linear(inputs, kernel.t(), bias)
 
 
+def _int_mm_shape_ok(x2, kernel):
+    """cuBLASLt's int8 product takes I and O multiples of 8 (rows are padded
+    by `int8_matmul`); oneDNN's takes any shape."""
+    if x2.device.type != "cuda":
+        return True
+    return x2.shape[-1] % 8 == 0 and kernel.shape[-1] % 8 == 0
+
+
+def int8_matmul_path(inputs, kernel):
+    x2 = inputs.reshape(-1, inputs.shape[-1])
+    return "torch-int-mm" if _int_mm_shape_ok(x2, kernel) else "torch-matmul-int32"
+
+
+def int8_matmul(inputs, kernel):
+    """inputs (..., I) int8 @ kernel (I, O) int8 -> (..., O) int32."""
+    inputs = ops.convert_to_tensor(inputs)
+    kernel = ops.convert_to_tensor(kernel)
+    lead = inputs.shape[:-1]
+    x2 = inputs.reshape(-1, inputs.shape[-1])
+    if not _int_mm_shape_ok(x2, kernel):
+        return torch.matmul(inputs.to(torch.int32), kernel.to(torch.int32))
+    rows = x2.shape[0]
+    if x2.device.type == "cuda" and (rows <= 16 or rows % 8):
+        # cuBLASLt's int8 product takes more than 16 rows, a multiple of 8
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, max(24, -(-rows // 8) * 8) - rows))
+    out = torch._int_mm(x2, kernel)
+    return out[:rows].reshape(*lead, kernel.shape[-1])
+
+
 def _gpu_attention_kernels():
     """The attention kernels torch may pick from on a GPU, as it is set up
     (`torch.backends.cuda.enable_*_sdp`), without cuDNN's; None where cuDNN's

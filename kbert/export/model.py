@@ -23,7 +23,7 @@ import keras
 import numpy as np
 
 from kbert import backend as kbert_backend
-from kbert.backend.ops import padded_blocks
+from kbert.backend.ops import portable_graph
 from kbert.export.process import in_tensorflow
 from kbert.layers.quantization import quantized_layers
 
@@ -98,7 +98,7 @@ def export_model(model, filepath, format="tf_saved_model", verbose=None, **kwarg
     >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
     >>> export_model(backbone, "/tmp/backbone.onnx", format="onnx", verbose=False)
     """
-    with padded_blocks():  # a saved graph runs anywhere: no token packing
+    with portable_graph():  # a saved graph runs anywhere: no token packing, no oneDNN-only ops
         return _export_model(model, filepath, format, verbose, **kwargs)
 
 

@@ -19,7 +19,7 @@ Signatures by task (B batch, T tokens, C classes, H hidden):
 """
 
 from kbert import backend as kbert_backend
-from kbert.backend.ops import padded_blocks
+from kbert.backend.ops import portable_graph
 from kbert.export.process import in_tensorflow
 
 
@@ -66,7 +66,7 @@ def export_text_model(model, filepath, verbose=False):
     module = tf.Module()
     module.model_variables = list(model.variables)  # saved with the graph
     signatures = {}
-    with padded_blocks():  # a saved graph runs anywhere: no token packing
+    with portable_graph():  # a saved graph runs anywhere: no token packing, no oneDNN-only ops
         for name, (fn, signature) in endpoints.items():
             function = tf.function(fn, input_signature=signature, autograph=False)
             setattr(module, name, function)

@@ -6,7 +6,7 @@ Dense."""
 import keras
 from keras import ops
 
-from kbert.backend.ops import fused_dense, packed_weight_cache
+from kbert.backend.ops import fused_dense, int8_matmul, packed_weight_cache
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -17,7 +17,11 @@ class Dense(keras.layers.Dense):
     `keras.layers.Dense`; only the float, unquantized path changes (LoRA is
     included: `self.kernel` already adds it). `quantize(mode)` and the
     quantized call are Keras' own (per-output-channel abs-max int8 kernel,
-    per-token int8 inputs; float8 with delayed scaling).
+    per-token int8 inputs; float8 with delayed scaling), except that int8
+    inference (not training, no LoRA) computes the int8 product with
+    `kbert.backend.ops.int8_matmul`, the backend's integer kernel, where
+    Keras' `ops.matmul` runs a generic int32 product: the same integers,
+    the same scaling.
 
     Example:
     >>> layer = Dense(4)
@@ -40,6 +44,35 @@ class Dense(keras.layers.Dense):
         x = fused_dense(
             ops.cast(inputs, self.compute_dtype), kernel, bias, cache=self.packed_weight
         )
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
+    def quantized_call(self, inputs, training=None):
+        if self.quantization_mode == "int8" and self._int8_inference(training):
+            return self._int8_inference_call(inputs)
+        return super().quantized_call(inputs, training=training)
+
+    def _int8_inference(self, training):
+        """Whether an int8 call takes `_int8_inference_call`: inference with
+        Keras' per-token abs-max input quantizer and no LoRA (Keras' own
+        call keeps the gradient and the other quantizers)."""
+        return (
+            not training
+            and not self.lora_enabled
+            and type(getattr(self, "inputs_quantizer", None)) is keras.quantizers.AbsMaxQuantizer
+        )
+
+    def _int8_inference_call(self, inputs):
+        """Keras' int8 forward with the backend's integer product."""
+        quantizer = self.inputs_quantizer
+        x, inputs_scale = keras.quantizers.abs_max_quantize(
+            inputs, axis=-1, value_range=quantizer.value_range, epsilon=quantizer.epsilon
+        )
+        x = ops.cast(int8_matmul(x, self.kernel), self.compute_dtype)
+        x = ops.divide(x, ops.multiply(self.kernel_scale, inputs_scale))
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
         if self.activation is not None:
             x = self.activation(x)
         return x

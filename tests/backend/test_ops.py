@@ -645,7 +645,7 @@ def test_encoder_block_on_packed_tokens_equals_the_padded_block(monkeypatch):
     name = keras.backend.backend()
     x_t, mask_t = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(mask)
     assert fused.token_packing_path(x_t, mask_t) == ("padded" if name == "jax" else "packed")
-    with fused.padded_blocks():  # graphs traced to be saved
+    with fused.portable_graph():  # graphs traced to be saved
         assert fused.token_packing_path(x_t, mask_t) == "padded"
     if name == "torch":  # too little padding to pay for packing
         full = np.ones_like(mask)

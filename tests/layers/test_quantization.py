@@ -108,6 +108,48 @@ def test_int8_dense_matches_a_hand_computed_product():
     assert np.abs(expected - (x @ kernel + bias)).max() < 0.05
 
 
+@pytest.mark.parametrize("shape", [(2, 5, 24), (3, 24), (1, 1, 24), (19, 24)])
+def test_int8_inference_product_is_keras_int8_product(shape):
+    """Inference takes the backend's integer kernel (`int8_matmul_path`
+    names it); training takes Keras' int8 call, whose gradient it keeps.
+    Both compute the same integers, so the outputs are equal."""
+    from kbert.backend import ops as backend_ops
+
+    rng = np.random.default_rng(1)
+    layer = Dense(16, activation="gelu")
+    x = rng.normal(size=shape).astype("float32") * rng.uniform(0.1, 10, size=shape[:-1] + (1,))
+    layer(x)
+    layer.quantize("int8")
+    inference = keras.ops.convert_to_numpy(layer(x))
+    training = keras.ops.convert_to_numpy(layer(x, training=True))
+    np.testing.assert_allclose(inference, training, rtol=1e-6, atol=1e-6)
+    exact = rng.integers(-127, 128, size=(7, 24)).astype("int8")
+    product = backend_ops.int8_matmul(exact, layer.kernel)
+    assert keras.backend.standardize_dtype(product.dtype) == "int32"
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(product),
+        exact.astype(np.int64) @ keras.ops.convert_to_numpy(layer.kernel).astype(np.int64),
+    )
+    expected_path = {
+        "torch": "torch-int-mm",
+        "tensorflow": "tf-onednn-int8",
+        "jax": "keras-matmul-int32",
+    }[keras.backend.backend()]
+    assert backend_ops.int8_matmul_path(exact, layer.kernel) == expected_path
+
+
+def test_int8_classifier_predict_matches_its_training_mode_forward():
+    """A whole int8 model: `predict` (the integer kernels) gives what the
+    training-mode forward (Keras' int8 calls; no dropout) gives."""
+    backbone = kbert.BertBackbone(**TINY, dropout=0.0, attention_dropout=0.0)
+    classifier = kbert.BertClassifier(backbone, num_classes=3, dropout=0.0)
+    quantize(classifier, "int8")
+    x = harness.backbone_inputs()
+    predicted = classifier.predict(x, verbose=0)
+    reference = keras.ops.convert_to_numpy(classifier(x, training=True))
+    np.testing.assert_allclose(predicted, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_quantized_classifier_keras_file_and_preset_reload_identically(classifier, tmp_path):
     x = harness.backbone_inputs()
     quantize(classifier, "int8")

@@ -189,6 +189,23 @@ def int8_matmul_path(inputs=None, kernel=None):
     return "keras-matmul-int32"
 
 
+def int8_quantize(inputs, value_range=(-127, 127), epsilon=None):
+    """Keras' per-row abs-max quantization of inputs (..., I) -> (int8
+    values, (..., 1) scale), the quantizer of Keras' int8 `Dense`; on
+    TensorFlow without XLA (and outside `portable_graph`) one XLA-compiled
+    function instead of seven graph operations."""
+    epsilon = keras.config.epsilon() if epsilon is None else epsilon
+    if (
+        backend.is_tensorflow()
+        and not getattr(_PORTABLE, "depth", 0)
+        and tf_ops.int8_matmul_path() == "tf-onednn-int8"
+    ):
+        return tf_ops.int8_quantize_rows(inputs, value_range, epsilon)
+    return keras.quantizers.abs_max_quantize(
+        inputs, axis=-1, value_range=value_range, epsilon=epsilon
+    )
+
+
 def int8_matmul(inputs, kernel):
     """inputs (..., I) int8, kernel (I, O) int8 -> (..., O) int32, exact."""
     if getattr(_PORTABLE, "depth", 0):

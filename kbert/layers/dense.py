@@ -6,7 +6,7 @@ Dense."""
 import keras
 from keras import ops
 
-from kbert.backend.ops import fused_dense, int8_matmul, packed_weight_cache
+from kbert.backend.ops import fused_dense, int8_matmul, int8_quantize, packed_weight_cache
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -66,9 +66,7 @@ class Dense(keras.layers.Dense):
     def _int8_inference_call(self, inputs):
         """Keras' int8 forward with the backend's integer product."""
         quantizer = self.inputs_quantizer
-        x, inputs_scale = keras.quantizers.abs_max_quantize(
-            inputs, axis=-1, value_range=quantizer.value_range, epsilon=quantizer.epsilon
-        )
+        x, inputs_scale = int8_quantize(inputs, quantizer.value_range, quantizer.epsilon)
         x = ops.cast(int8_matmul(x, self.kernel), self.compute_dtype)
         x = ops.divide(x, ops.multiply(self.kernel_scale, inputs_scale))
         if self.bias is not None:

@@ -173,6 +173,8 @@ class BertEmbeddings(ArgumentsConfig, keras.layers.Layer):
             segments = ops.cast(self.segment_embedding.embeddings, self.compute_dtype)
         else:  # the stored table is int8; Keras' quantized lookup rescales it
             segments = self.segment_embedding(ops.arange(self.type_vocab_size))  # (S, E)
+            # ... by its float32 scale, which promotes a 16-bit lookup to float32
+            segments = ops.cast(segments, self.compute_dtype)
         x = fused_embedding_sum(
             self.token_embedding(token_ids), positions, segments, segment_ids
         )  # (B, T, E)

@@ -210,3 +210,17 @@ def test_float8_fit_on_raw_text_with_buckets_and_packed_rows(pack_rows):
             for scale in (layer.inputs_scale, layer.kernel_scale, layer.outputs_grad_scale):
                 value = float(keras.ops.convert_to_numpy(scale))
                 assert np.isfinite(value) and value > 0, (layer.path, scale.name, value)
+
+
+def test_int8_of_a_bfloat16_model_predicts_in_bfloat16():
+    """quantize('int8') of a mixed_bfloat16 model: the int8 segment table's
+    lookup comes back in the compute dtype (TensorFlow refused the sum of a
+    bf16 token row and a float32 segment row)."""
+    backbone = kbert.BertBackbone(**TINY, dtype="mixed_bfloat16")
+    classifier = kbert.BertClassifier(backbone, num_classes=3)
+    x = harness.backbone_inputs()
+    reference = classifier.predict(x, verbose=0)
+    quantize(classifier, "int8")
+    predicted = classifier.predict(x, verbose=0)
+    assert np.isfinite(predicted).all()
+    assert np.abs(predicted - reference).max() < 0.1

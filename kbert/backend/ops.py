@@ -193,8 +193,11 @@ def int8_quantize(inputs, value_range=(-127, 127), epsilon=None):
     """Keras' per-row abs-max quantization of inputs (..., I) -> (int8
     values, (..., 1) scale), the quantizer of Keras' int8 `Dense`; on
     TensorFlow without XLA (and outside `portable_graph`) one XLA-compiled
-    function instead of seven graph operations."""
+    function instead of seven graph operations; on torch without making
+    device tensors of its constants (CUDA-graph capture)."""
     epsilon = keras.config.epsilon() if epsilon is None else epsilon
+    if backend.is_torch():
+        return torch_ops.int8_quantize_rows(inputs, value_range, epsilon)
     if (
         backend.is_tensorflow()
         and not getattr(_PORTABLE, "depth", 0)

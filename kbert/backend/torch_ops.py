@@ -72,6 +72,18 @@ def int8_matmul_path(inputs, kernel):
     return "torch-int-mm" if _int_mm_shape_ok(x2, kernel) else "torch-matmul-int32"
 
 
+def int8_quantize_rows(inputs, value_range, epsilon):
+    """Keras' `abs_max_quantize(inputs, axis=-1)` in torch operations with
+    the Python numbers as kernel arguments: Keras' version turns them into
+    device tensors, a host-to-device copy that CUDA-graph capture refuses."""
+    inputs = ops.convert_to_tensor(inputs)
+    low, high = value_range
+    denominator = inputs.abs().amax(dim=-1, keepdim=True) + epsilon
+    # a true division, as Keras' (scalar / tensor is a reciprocal times the scalar)
+    scale = torch.full_like(denominator, high) / denominator
+    return torch.clamp(torch.round(inputs * scale), low, high).to(torch.int8), scale
+
+
 def int8_matmul(inputs, kernel):
     """inputs (..., I) int8 @ kernel (I, O) int8 -> (..., O) int32."""
     inputs = ops.convert_to_tensor(inputs)

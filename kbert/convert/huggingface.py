@@ -512,6 +512,7 @@ TASKS = {
     "BertQuestionAnswerer": HFTask("BertForQuestionAnswering", heads=("span",), pooler=False),
     "BertMultipleChoice": HFTask("BertForMultipleChoice", heads=("classifier",)),
     "BertTextEmbedder": HFTask("BertModel"),
+    "MobileBertBackbone": HFTask("BertModel"),  # written by kbert.convert.mobilebert
 }
 
 
@@ -657,6 +658,56 @@ def is_albert_style(backbone):
     return backbone.share_layers
 
 
+def _bert_export_state(model, task):
+    """(state dict, config.json) of a model on a BERT or ALBERT-style backbone."""
+    name = type(model).__name__
+    backbone = getattr(model, "backbone", model)
+    albert = is_albert_style(backbone)
+    style = "albert" if albert else "bert"
+    hf_architecture = architecture(task, albert)
+    for key, value in task.config.get(style, {}).items():
+        if getattr(model, key, None) != value:
+            raise ValueError(
+                f"this {name} has {key}={getattr(model, key, None)!r}, but {hf_architecture}'s "
+                f"head needs {key}={value!r}; export its backbone, or save it as a kbert preset"
+            )
+    prefix = "" if hf_architecture.endswith("Model") else f"{style}."
+    state = backbone_state_to_hf(backbone, prefix)
+    if not task.pooler:  # transformers builds this model without one
+        state = {k: v for k, v in state.items() if not k.startswith(prefix + "pooler.")}
+    heads = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights}
+    for head in task.heads:
+        written = write_table(HEADS[style][head], heads)
+        state.update(written)
+        state.update({WRITTEN_TWICE[k]: v for k, v in written.items() if k in WRITTEN_TWICE})
+    config = {"architectures": [hf_architecture], "model_type": style}
+    config.update({theirs: getattr(backbone, ours) for theirs, ours in HF_TO_KBERT_CONFIG.items()})
+    config.update(
+        hidden_act=KBERT_TO_HF_ACTIVATION[backbone.activation],
+        position_embedding_type="absolute",
+        pad_token_id=0,
+    )
+    if albert:
+        config.update(embedding_size=backbone.embedding_dim, num_hidden_groups=1, inner_group_num=1)
+    if task.num_labels:
+        config["num_labels"] = model.num_classes
+    if task.regression and model.num_classes == 1:
+        config["problem_type"] = "regression"
+    return state, config
+
+
+# Exporters of other model types, by their backbone's `backbone_type`:
+# (model, its `HFTask`) -> (state dict, config.json).
+EXPORTERS = {}
+
+
+def register_exporter(backbone_type, exporter):
+    """Makes `export_to_huggingface` write backbones of `backbone_type` (and
+    models on them) with `exporter`."""
+    EXPORTERS[backbone_type] = exporter
+    return exporter
+
+
 def export_to_huggingface(model, directory, preprocessor=None):
     """Writes a Hugging Face BERT directory that `transformers` loads with the
     matching `BertFor...` class: config.json, model.safetensors and, when the
@@ -687,38 +738,9 @@ def export_to_huggingface(model, directory, preprocessor=None):
             "quantize after loading it there"
         )
     backbone = getattr(model, "backbone", model)
-    albert = is_albert_style(backbone)
-    style = "albert" if albert else "bert"
-    hf_architecture = architecture(task, albert)
-    for key, value in task.config.get(style, {}).items():
-        if getattr(model, key, None) != value:
-            raise ValueError(
-                f"this {name} has {key}={getattr(model, key, None)!r}, but {hf_architecture}'s "
-                f"head needs {key}={value!r}; export its backbone, or save it as a kbert preset"
-            )
+    exporter = EXPORTERS.get(getattr(backbone, "backbone_type", None), _bert_export_state)
+    state, config = exporter(model, task)
     os.makedirs(directory, exist_ok=True)
-    prefix = "" if hf_architecture.endswith("Model") else f"{style}."
-    state = backbone_state_to_hf(backbone, prefix)
-    if not task.pooler:  # transformers builds this model without one
-        state = {k: v for k, v in state.items() if not k.startswith(prefix + "pooler.")}
-    heads = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights}
-    for head in task.heads:
-        written = write_table(HEADS[style][head], heads)
-        state.update(written)
-        state.update({WRITTEN_TWICE[k]: v for k, v in written.items() if k in WRITTEN_TWICE})
-    config = {"architectures": [hf_architecture], "model_type": style}
-    config.update({theirs: getattr(backbone, ours) for theirs, ours in HF_TO_KBERT_CONFIG.items()})
-    config.update(
-        hidden_act=KBERT_TO_HF_ACTIVATION[backbone.activation],
-        position_embedding_type="absolute",
-        pad_token_id=0,
-    )
-    if albert:
-        config.update(embedding_size=backbone.embedding_dim, num_hidden_groups=1, inner_group_num=1)
-    if task.num_labels:
-        config["num_labels"] = model.num_classes
-    if task.regression and model.num_classes == 1:
-        config["problem_type"] = "regression"
     save_safetensors(
         {k: np.ascontiguousarray(v) for k, v in state.items()},
         os.path.join(directory, "model.safetensors"),

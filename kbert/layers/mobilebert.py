@@ -91,7 +91,9 @@ class MobileBertEmbeddings(ArgumentsConfig, keras.layers.Layer):
         initializer_range: float. stddev of the truncated-normal init.
 
     Rows holding several examples (`position_ids` given, each example
-    counting from 0) keep each window inside its example.
+    counting from 0) keep each window inside its example: an example's
+    last token sees zeros next, as in a padded row whose padding token has
+    a zero embedding (transformers keeps it at zero: `padding_idx`).
 
     Example:
     >>> layer = MobileBertEmbeddings(100, 16, embedding_dim=8, max_sequence_length=16)

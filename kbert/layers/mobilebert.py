@@ -13,6 +13,8 @@ shared layer (`kbert.layers.attention`): its implementations and mask
 descriptions apply unchanged.
 """
 
+import math
+
 import keras
 from keras import ops
 
@@ -474,6 +476,28 @@ class MobileBertBlock(ArgumentsConfig, keras.layers.Layer):
         y = run(self.output_bottleneck, a, training=training)  # (B, T, H)
         y = run(self.dropout_layer, y, training=training)
         return run(self.output_bottleneck_norm, y + x)
+
+    def attention_scores(self, inputs, training=None):
+        """The block's pre-softmax attention scores Q K^T / sqrt(D) on its
+        input (B, T, H), from its own bottlenecks and projections:
+        (B, N, T, S) float32, no mask added (for attention transfer)."""
+        kw = {} if training is None else {"training": training}
+        attention = self.self_attention
+        if self.shared_query_key:
+            source = self.attention_bottleneck_norm(self.attention_bottleneck(inputs, **kw))
+            projected = attention.query_key(source, **kw)  # (B, T, 2A)
+        else:
+            source = inputs
+            if self.use_bottleneck_attention:
+                source = self.input_bottleneck_norm(self.input_bottleneck(inputs, **kw))
+            projected = attention.qkv(source, **kw)[..., : 2 * attention.hidden_dim]  # (B, T, 2A)
+        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
+        heads, size = attention.num_heads, attention.head_dim
+        query, key = ops.unstack(
+            ops.reshape(projected, (batch, length, 2, heads, size)), num=2, axis=2
+        )  # (B, T, N, D) each
+        scores = ops.einsum("btnd,bsnd->bnts", query, key)  # (B, N, T, S)
+        return ops.cast(scores, "float32") * (1.0 / math.sqrt(size))
 
     def compute_output_shape(self, inputs_shape, attention_mask_shape=None):
         return tuple(inputs_shape)

@@ -247,7 +247,8 @@ def progressive_transfer(
         student: `BertBackbone` (e.g. `MobileBertBackbone`), trained in place.
         x: model inputs or raw text, as `fit` takes them.
         layer_map: list of int or None. the teacher block (1-based) of each
-            student block; None: g(m) = m * Lt / Ls.
+            student block; None: g(m) = ceil(m * Lt / Ls) (a student deeper
+            than its teacher learns each teacher block in turn).
         epochs_per_block: int. epochs of each stage.
         batch_size: int. batch size of each stage.
         learning_rate: float. AdamW's rate in each stage.
@@ -270,8 +271,9 @@ def progressive_transfer(
     """
     t_backbone = _backbone_of(teacher, "teacher")
     s_backbone = _backbone_of(student, "student")
-    if layer_map is None:
-        layer_map = distillation.default_layer_map(t_backbone.num_layers, s_backbone.num_layers)
+    if layer_map is None:  # g(m) = ceil(m * Lt / Ls): a deeper student repeats teacher blocks
+        t_layers, s_layers = t_backbone.num_layers, s_backbone.num_layers
+        layer_map = [-(-m * t_layers // s_layers) for m in range(1, s_layers + 1)]
     layer_map = [int(i) for i in layer_map]
     if len(layer_map) != s_backbone.num_layers:
         raise ValueError(

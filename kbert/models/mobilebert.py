@@ -24,6 +24,8 @@ from kbert.layers.mobilebert import (
 )
 from kbert.layers.quantization import quantized_layers_config
 from kbert.models.backbone import INPUTS, BertBackbone, encoder_forward, register_backbone
+from kbert.presets.io import PresetError
+from kbert.presets.loader import loader_for
 from kbert.utils import checks
 
 BACKBONE_TYPE = "mobilebert"
@@ -237,6 +239,17 @@ class MobileBertBackbone(BertBackbone):
     def inner_dim(self):
         """The blocks' attention and feed-forward width A."""
         return self.bottleneck_dim if self.use_bottleneck else self.hidden_dim
+
+    @classmethod
+    def load_from_preset_dir(cls, directory, load_weights=True, **overrides):
+        loader = loader_for(directory, overrides.get("allow_pickle", False))
+        kind = loader.backbone_config().get("backbone_type")
+        if kind != BACKBONE_TYPE:
+            raise PresetError(
+                f"{directory} holds a {kind or 'BERT'} backbone, not a MobileBERT; load it "
+                "with kbert.BertBackbone.from_preset"
+            )
+        return super().load_from_preset_dir(directory, load_weights=load_weights, **overrides)
 
     def get_config(self):
         return {

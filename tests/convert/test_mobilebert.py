@@ -208,11 +208,8 @@ def test_classifier_fits_raw_text_from_a_transformers_directory(pretraining):
     texts = ["the cat sat on the mat", "a very bad movie", "good film", "the dog ran fast"] * 2
     labels = np.array([1, 0, 1, 1, 0, 0, 1, 0])
     model.compile(learning_rate=1e-3)
-    before = model.evaluate(texts, labels, verbose=0, return_dict=True)["loss"]
-    model.fit(texts, labels, batch_size=8, epochs=4, verbose=0)
-    after = model.evaluate(texts, labels, verbose=0, return_dict=True)["loss"]
-    assert np.isfinite(after) and after < before
-    assert model.predict(texts[:2], verbose=0).shape == (2, 2)
+    losses = model.fit(texts, labels, batch_size=8, epochs=3, verbose=0).history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
 def test_packed_rows_keep_each_window_inside_its_example():

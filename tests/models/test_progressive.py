@@ -1,6 +1,7 @@
 """Progressive knowledge transfer into a MobileBERT student from a teacher of
-another width and head count, then pre-training distillation and task
-fine-tuning: each stage runs and lowers its loss."""
+another width and head count, then pre-training distillation: each stage
+runs and lowers its loss (fine-tuning a MobileBERT classifier:
+tests/convert/test_mobilebert.py)."""
 
 import keras
 import numpy as np
@@ -79,7 +80,7 @@ class _FrozenCheck(keras.callbacks.Callback):
         self.changed.append(not np.array_equal(self.own, self._own()))
 
 
-def test_progressive_transfer_then_pretraining_distillation_then_fine_tuning():
+def test_progressive_transfer_then_pretraining_distillation():
     teacher, student = _teacher(), _student()
     x = _inputs()
     # 1. block by block: each stage lowers its feature and attention losses
@@ -110,11 +111,4 @@ def test_progressive_transfer_then_pretraining_distillation_then_fine_tuning():
     distiller = kbert.BertDistiller(teacher_mlm, student_mlm, alpha_cos=0.0, alpha_hidden=1.0)
     distiller.compile(learning_rate=1e-2)
     history = distiller.fit(batch, targets, batch_size=16, epochs=3, verbose=0).history
-    assert history["loss"][-1] < history["loss"][0]
-
-    # 3. task fine-tuning of the transferred student
-    classifier = kbert.BertClassifier(student, 2, dropout=0.0)
-    labels = (x["token_ids"][:, 1] % 2).astype("int32")
-    classifier.compile(learning_rate=1e-2)
-    history = classifier.fit(x, labels, batch_size=16, epochs=3, verbose=0).history
     assert history["loss"][-1] < history["loss"][0]

@@ -715,7 +715,8 @@ def export_to_huggingface(model, directory, preprocessor=None):
     vocab.txt and tokenizer_config.json with its casing and rules. A model
     whose backbone has `embedding_dim` and `share_layers` is written as a
     Hugging Face ALBERT (`AlbertModel`, `AlbertFor...`; a `BertPreTrainer`
-    then needs `sentence_task="sop"`).
+    then needs `sentence_task="sop"`), and a model on a `MobileBertBackbone`
+    as transformers' MobileBERT (`kbert.convert.mobilebert`).
 
     Args:
         model: a kbert BertBackbone or task model.

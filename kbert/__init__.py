@@ -12,6 +12,7 @@ from kbert.models import (
     BertQuestionAnswerer,
     BertTextEmbedder,
     BertTokenClassifier,
+    MobileBertBackbone,
 )
 from kbert.tokenizers import BertTokenizer
 from kbert.version import __version__
@@ -28,6 +29,7 @@ __all__ = [
     "BertTextEmbedder",
     "BertTokenClassifier",
     "BertTokenizer",
+    "MobileBertBackbone",
     "convert",
     "data",
     "layers",

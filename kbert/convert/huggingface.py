@@ -512,6 +512,7 @@ TASKS = {
     "BertQuestionAnswerer": HFTask("BertForQuestionAnswering", heads=("span",), pooler=False),
     "BertMultipleChoice": HFTask("BertForMultipleChoice", heads=("classifier",)),
     "BertTextEmbedder": HFTask("BertModel"),
+    "MobileBertBackbone": HFTask("BertModel"),  # written by kbert.convert.mobilebert
 }
 
 
@@ -657,35 +658,9 @@ def is_albert_style(backbone):
     return backbone.share_layers
 
 
-def export_to_huggingface(model, directory, preprocessor=None):
-    """Writes a Hugging Face BERT directory that `transformers` loads with the
-    matching `BertFor...` class: config.json, model.safetensors and, when the
-    model has a preprocessor attached (or one is passed, as a backbone needs),
-    vocab.txt and tokenizer_config.json with its casing and rules. A model
-    whose backbone has `embedding_dim` and `share_layers` is written as a
-    Hugging Face ALBERT (`AlbertModel`, `AlbertFor...`; a `BertPreTrainer`
-    then needs `sentence_task="sop"`).
-
-    Args:
-        model: a kbert BertBackbone or task model.
-        directory: str or path. where to write.
-        preprocessor: `kbert.BertPreprocessor` or None. the tokenizer to
-            write; defaults to the one attached to `model`.
-    """
+def _bert_export_state(model, task):
+    """(state dict, config.json) of a model on a BERT or ALBERT-style backbone."""
     name = type(model).__name__
-    if name not in TASKS:
-        raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
-    task = TASKS[name]
-    from kbert.layers.quantization import quantized_layers
-
-    quantized = quantized_layers(model)
-    if quantized:
-        named = ", ".join(sorted(quantized)[:3]) + (", ..." if len(quantized) > 3 else "")
-        raise ValueError(
-            f"{model.name} has {len(quantized)} quantized layers ({named}): a Hugging Face "
-            "BERT holds float weights; export the float model (before `quantize`), and "
-            "quantize after loading it there"
-        )
     backbone = getattr(model, "backbone", model)
     albert = is_albert_style(backbone)
     style = "albert" if albert else "bert"
@@ -696,7 +671,6 @@ def export_to_huggingface(model, directory, preprocessor=None):
                 f"this {name} has {key}={getattr(model, key, None)!r}, but {hf_architecture}'s "
                 f"head needs {key}={value!r}; export its backbone, or save it as a kbert preset"
             )
-    os.makedirs(directory, exist_ok=True)
     prefix = "" if hf_architecture.endswith("Model") else f"{style}."
     state = backbone_state_to_hf(backbone, prefix)
     if not task.pooler:  # transformers builds this model without one
@@ -719,6 +693,55 @@ def export_to_huggingface(model, directory, preprocessor=None):
         config["num_labels"] = model.num_classes
     if task.regression and model.num_classes == 1:
         config["problem_type"] = "regression"
+    return state, config
+
+
+# Exporters of other model types, by their backbone's `backbone_type`:
+# (model, its `HFTask`) -> (state dict, config.json).
+EXPORTERS = {}
+
+
+def register_exporter(backbone_type, exporter):
+    """Makes `export_to_huggingface` write backbones of `backbone_type` (and
+    models on them) with `exporter`."""
+    EXPORTERS[backbone_type] = exporter
+    return exporter
+
+
+def export_to_huggingface(model, directory, preprocessor=None):
+    """Writes a Hugging Face BERT directory that `transformers` loads with the
+    matching `BertFor...` class: config.json, model.safetensors and, when the
+    model has a preprocessor attached (or one is passed, as a backbone needs),
+    vocab.txt and tokenizer_config.json with its casing and rules. A model
+    whose backbone has `embedding_dim` and `share_layers` is written as a
+    Hugging Face ALBERT (`AlbertModel`, `AlbertFor...`; a `BertPreTrainer`
+    then needs `sentence_task="sop"`), and a model on a `MobileBertBackbone`
+    as transformers' MobileBERT (`kbert.convert.mobilebert`).
+
+    Args:
+        model: a kbert BertBackbone or task model.
+        directory: str or path. where to write.
+        preprocessor: `kbert.BertPreprocessor` or None. the tokenizer to
+            write; defaults to the one attached to `model`.
+    """
+    name = type(model).__name__
+    if name not in TASKS:
+        raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
+    task = TASKS[name]
+    from kbert.layers.quantization import quantized_layers
+
+    quantized = quantized_layers(model)
+    if quantized:
+        named = ", ".join(sorted(quantized)[:3]) + (", ..." if len(quantized) > 3 else "")
+        raise ValueError(
+            f"{model.name} has {len(quantized)} quantized layers ({named}): a Hugging Face "
+            "BERT holds float weights; export the float model (before `quantize`), and "
+            "quantize after loading it there"
+        )
+    backbone = getattr(model, "backbone", model)
+    exporter = EXPORTERS.get(getattr(backbone, "backbone_type", None), _bert_export_state)
+    state, config = exporter(model, task)
+    os.makedirs(directory, exist_ok=True)
     save_safetensors(
         {k: np.ascontiguousarray(v) for k, v in state.items()},
         os.path.join(directory, "model.safetensors"),

@@ -1,6 +1,7 @@
 from kbert.models.backbone import BertBackbone
 from kbert.models.classifier import BertClassifier
 from kbert.models.distiller import BertDistiller
+from kbert.models.mobilebert import MobileBertBackbone
 from kbert.models.multiple_choice import BertMultipleChoice
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.pretrainer import BertMaskedLM, BertPreTrainer
@@ -20,5 +21,6 @@ __all__ = [
     "BertQuestionAnswerer",
     "BertTextEmbedder",
     "BertTokenClassifier",
+    "MobileBertBackbone",
     "Task",
 ]

@@ -14,6 +14,7 @@ from kbert.backend.ops import blocks_in_loop
 from kbert.layers import (
     AttentionMask,
     BertEmbeddings,
+    MaskedLMHead,
     Pooler,
     canonical_activation,
     initializers,
@@ -43,6 +44,17 @@ INPUT_NAMES = tuple(INPUTS)
 # `pooled_output` is then (E, H), one per example.
 PACKED_INPUTS = ("example_ids", "position_ids", "cls_index")
 SHARED_LAYER_NAME = "shared_transformer_layer"
+# Backbone classes by the `backbone_type` their configs carry (a
+# BertBackbone's has none), so that `BertBackbone.from_config` of a preset's
+# or a converter's config builds the class it names (`register_backbone`).
+BACKBONE_TYPES = {}
+
+
+def register_backbone(name, cls):
+    """Makes `BertBackbone.from_config` build `cls` for configs with
+    `backbone_type=name` (`cls.get_config` includes that key)."""
+    BACKBONE_TYPES[name] = cls
+    return cls
 
 
 def is_packed(inputs):
@@ -168,6 +180,9 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
     >>> tuple(model(x)["sequence_output"].shape)
     (1, 4, 8)
     """
+
+    # The masked-LM head class pre-training tasks put on this backbone.
+    masked_lm_head_class = MaskedLMHead
 
     def __init__(
         self,
@@ -475,6 +490,13 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
     @initializers.placeholders_when_loading
     def from_config(cls, config):
         config = dict(config)
+        kind = config.pop("backbone_type", None)
+        if kind is not None:
+            if kind not in BACKBONE_TYPES:
+                raise ValueError(
+                    f"unknown backbone_type {kind!r}; registered: {sorted(BACKBONE_TYPES)}"
+                )
+            cls = BACKBONE_TYPES[kind]
         quantized = config.pop("quantized_layers", None)
         if isinstance(config.get("dtype"), dict):
             config["dtype"] = keras.saving.deserialize_keras_object(config["dtype"])

@@ -136,6 +136,8 @@ def _attention_scores(block, hidden, training):
     """Block `block`'s pre-softmax attention scores QK^T / sqrt(D) on its
     input `hidden`, from the block's own qkv projection (B, N, T, S),
     float32, no mask added."""
+    if hasattr(block, "attention_scores"):  # a block whose attention inputs are its own
+        return block.attention_scores(hidden, **training)
     attention = block.self_attention
     batch, length = ops.shape(hidden)[0], ops.shape(hidden)[1]
     qkv = attention.qkv(hidden, **training)

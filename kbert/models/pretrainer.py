@@ -83,7 +83,7 @@ class _PreTrainingTask(Task):
         inputs = self.backbone_inputs(backbone)
         inputs["mask_positions"] = keras.Input(shape=(None,), dtype="int32", name="mask_positions")
         features = backbone(inputs)  # mask_positions is ignored by the backbone
-        mlm_head = MaskedLMHead(
+        mlm_head = getattr(backbone, "masked_lm_head_class", MaskedLMHead)(
             backbone.vocabulary_size,
             backbone.hidden_dim,
             activation=backbone.activation,

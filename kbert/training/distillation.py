@@ -92,6 +92,31 @@ def attention_score_mse(teacher_scores, student_scores, padding_mask):
     return _weighted_mean(diff * diff, pairs)
 
 
+def attention_kl(teacher_scores, student_scores, padding_mask):
+    """KL(teacher || student) of the attention distributions over the real
+    keys, a mean over heads and real queries (MobileBERT's attention
+    transfer, Sun et al. 2020). Where the head counts differ, each model's
+    heads are averaged into one distribution per query first.
+
+    Args:
+        teacher_scores: tensor (B, Nt, T, S). pre-softmax scores, no mask added.
+        student_scores: tensor (B, Ns, T, S).
+        padding_mask: tensor (B, T). 1 for real tokens.
+    """
+    mask = ops.cast(padding_mask, "float32")
+    # padded keys get -1e30 (exp underflows to 0), as the attention layer does
+    bias = ((mask - 1.0) * 1e30)[:, None, None, :]  # (B, 1, 1, S)
+    t_log = ops.log_softmax(ops.cast(teacher_scores, "float32") + bias, axis=-1)
+    s_log = ops.log_softmax(ops.cast(student_scores, "float32") + bias, axis=-1)
+    if teacher_scores.shape[1] != student_scores.shape[1]:
+        t_log = ops.log(ops.mean(ops.exp(t_log), axis=1, keepdims=True) + 1e-30)
+        s_log = ops.log(ops.mean(ops.exp(s_log), axis=1, keepdims=True) + 1e-30)
+    key_mask = mask[:, None, None, :]
+    kl = ops.sum(ops.exp(t_log) * (t_log - s_log) * key_mask, axis=-1)  # (B, N, T)
+    weights = ops.broadcast_to(mask[:, None, :], ops.shape(kl))
+    return _weighted_mean(kl, weights)
+
+
 def default_layer_map(teacher_layers, student_layers):
     """TinyBERT's uniform mapping g(m) = m * L_t / L_s (rounded down) for the
     student's blocks m = 1 .. L_s, as 1-based teacher block numbers (0 is the

@@ -27,6 +27,7 @@ exact, differentiable, and the same op on every backend.
 from keras import ops
 
 from kbert.layers import attention
+from kbert.layers.masks import AttentionMask
 from kbert.utils import checks
 
 NAME = "banded"
@@ -203,3 +204,60 @@ def banded_attention(query, key, value, mask, scale, dropout):
 
 
 attention.register_attention(NAME, banded_attention, supports, auto_position=0)
+
+
+def check_window(attention_window, global_tokens):
+    """Raises a ValueError naming the setting unless `attention_window` is
+    None or a positive even int and `global_tokens` a non-negative int."""
+    if attention_window is not None and (
+        not isinstance(attention_window, int)
+        or isinstance(attention_window, bool)
+        or attention_window < 2
+        or attention_window % 2
+    ):
+        raise ValueError(
+            "attention_window must be None (full attention) or a positive even int W "
+            f"(each token sees W / 2 tokens on each side, as in Longformer), "
+            f"got {attention_window!r}"
+        )
+    if not isinstance(global_tokens, int) or isinstance(global_tokens, bool) or global_tokens < 0:
+        raise ValueError(
+            f"global_tokens must be a non-negative int (the first tokens of each example that "
+            f"attend everywhere; 1: [CLS]), got {global_tokens!r}"
+        )
+
+
+def window_mask(padding_mask, attention_window, global_tokens, position_ids=None, segments=None):
+    """The `AttentionMask` of sliding-window attention: each token sees
+    `attention_window // 2` tokens on each side; the first `global_tokens`
+    tokens of each example ([CLS] for 1) see and are seen by every token.
+
+    Args:
+        padding_mask: int tensor (B, T). 1 for real tokens.
+        attention_window: int. W, the whole window (Longformer's
+            `attention_window`).
+        global_tokens: int. global tokens at the start of each example.
+        position_ids: int tensor (B, T) or None. each token's position in
+            its example, for rows holding several (`segments` then says which).
+        segments: int tensor (B, T) or None. the example of each token.
+
+    Example:
+    >>> import numpy as np
+    >>> mask = window_mask(np.ones((1, 6), "int32"), 2, 1)
+    >>> mask.window, mask.max_global
+    (1, 1)
+    """
+    parts = {"padding": padding_mask, "window": attention_window // 2}
+    if segments is not None:
+        parts["segments"] = segments
+    if global_tokens:
+        if position_ids is None:
+            position_ids = ops.cumsum(ops.ones_like(padding_mask), axis=1) - 1  # (B, T)
+            parts["max_global"] = global_tokens
+        else:  # one set per example: at most one example per token
+            length = padding_mask.shape[1]
+            if not isinstance(length, int):
+                raise ValueError("rows holding several examples need a static length")
+            parts["max_global"] = length
+        parts["global_tokens"] = ops.cast(ops.less(position_ids, global_tokens), "int32")
+    return AttentionMask(**parts)

@@ -45,6 +45,8 @@ BACKBONE_OVERRIDES = (
     "adapter_size",
     "allow_pickle",
     "max_sequence_length",
+    "attention_window",
+    "global_tokens",
 )
 
 

@@ -62,3 +62,17 @@ def test_every_system_runs_on_the_needle_task(tiny_preset, tmp_path):
     for run in runs.values():
         assert 0.0 <= run["test_at_best_dev"]["accuracy"] <= 1.0
     assert set(result["summary"]) == set(runs) and output.exists()
+
+
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="runs once, under torch")
+def test_speed_script_measures_kbert_and_longformer_at_tiny_size():
+    path = os.path.join(ROOT, "benchmarks", "long_attention_speed.py")
+    spec = importlib.util.spec_from_file_location("long_attention_speed", path)
+    speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speed)
+    args = "--tiny --in-process --engines kbert-torch longformer --steps 1 --warmup 0"
+    results = speed.main(args.split() + ["--lengths", "64"])
+    assert [r["engine"] for r in results] == ["kbert-torch", "longformer"]
+    assert results[0]["attention_path"] == "banded"
+    for r in results:
+        assert r["forward_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0

@@ -2,6 +2,7 @@
 (`attention_window`): the same outputs as the dense masked reference, full
 attention when the window spans the row, fit, predict and save/load."""
 
+import keras
 import numpy as np
 import pytest
 
@@ -74,3 +75,20 @@ def test_windowed_classifier_fits_predicts_and_round_trips(tmp_path):
         tmp_path / "preset", attention_window=None, max_sequence_length=80
     )
     assert full.backbone.attention_window is None and full.preprocessor.sequence_length == 80
+
+
+def test_packed_rows_with_a_window_give_each_example_its_own_outputs():
+    """Rows holding several examples: the window stays inside each example
+    and each example's [CLS] is global (its position 0)."""
+    from kbert.training import batching
+    from tests.models.test_packing import inputs
+
+    backbone = kbert.BertBackbone(**{**CONFIG, "max_sequence_length": 32}, attention_window=4)
+    model = kbert.BertClassifier(backbone, 3, dropout=0.0)
+    x = inputs(n=8)
+    alone = model.predict_on_batch(x)
+    data = batching.PackedBatches(x, np.zeros(8, "int32"), batch_size=8, row_length=32)
+    batch, _ = data[0]
+    assert batch["token_ids"].shape[0] < 8  # examples side by side
+    packed = keras.ops.convert_to_numpy(model(batch, training=False))
+    np.testing.assert_allclose(packed, alone[data.batches[0]], atol=1e-5)

@@ -92,3 +92,18 @@ def test_packed_rows_with_a_window_give_each_example_its_own_outputs():
     assert batch["token_ids"].shape[0] < 8  # examples side by side
     packed = keras.ops.convert_to_numpy(model(batch, training=False))
     np.testing.assert_allclose(packed, alone[data.batches[0]], atol=1e-5)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="a SavedModel, once")
+def test_windowed_backbone_exports_a_saved_model(tmp_path):
+    import tensorflow as tf
+
+    backbone = kbert.BertBackbone(**CONFIG, attention_window=6)
+    backbone.export(str(tmp_path / "saved"), verbose=0)
+    x = harness.backbone_inputs(batch=2, length=37, vocabulary_size=97)
+    loaded = tf.saved_model.load(str(tmp_path / "saved"))  # kept: serve uses its variables
+    served = loaded.serve({k: tf.constant(v) for k, v in x.items()})
+    want = harness.to_numpy(backbone(x))
+    real = x["padding_mask"][..., None]
+    got = served["sequence_output"].numpy()
+    assert np.max(np.abs((got - want["sequence_output"]) * real)) <= 1e-5

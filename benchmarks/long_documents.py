@@ -133,21 +133,20 @@ def needle_words(tokenizer):
 
 
 def needle_documents(tokenizer, count, seed, length, after):
-    """(texts, labels, needle token positions): `count` documents of `length`
-    filler words with the label's sentence inserted at a word position in
+    """(texts, labels, needle token positions): `count` documents (half of
+    each label) of `length` filler words with the label's sentence inserted at a word position in
     [after, length) (each filler word is one token: the sentence starts after
     token `after` of the document, [CLS] not counted)."""
     words = needle_words(tokenizer)
     rng = np.random.default_rng(seed)
-    texts, labels, positions = [], [], []
-    for _ in range(count):
-        label = int(rng.integers(0, 2))
+    texts, positions = [], []
+    labels = rng.permutation(np.arange(count) % 2).astype("int32")  # balanced: chance is 50%
+    for label in labels:
         filler = [words[i] for i in rng.integers(0, len(words), length)]
         at = int(rng.integers(after, max(after + 1, length)))
-        texts.append(" ".join(filler[:at] + [NEEDLES[0][label]] + filler[at:]))
-        labels.append(label)
+        texts.append(" ".join(filler[:at] + [NEEDLES[0][int(label)]] + filler[at:]))
         positions.append(at)
-    return texts, np.array(labels, "int32"), positions
+    return texts, labels, positions
 
 
 def task_data(args, tokenizer, seed):

@@ -3,6 +3,7 @@
 from kbert import convert, data, layers, metrics, presets, training
 from kbert.models import (
     BertBackbone,
+    BertChunkClassifier,
     BertClassifier,
     BertDistiller,
     BertMaskedLM,
@@ -19,6 +20,7 @@ from kbert.version import __version__
 
 __all__ = [
     "BertBackbone",
+    "BertChunkClassifier",
     "BertClassifier",
     "BertDistiller",
     "BertMaskedLM",

@@ -1,5 +1,6 @@
 """Backend-agnostic BERT building blocks (keras + keras.ops only)."""
 
+from kbert.layers import banded_attention  # noqa: F401  (registers "banded")
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention

@@ -16,12 +16,18 @@ when:
 - `causal`: s <= t + offset, where offset = S - T (the queries are the last
   T of the S positions, as in cached decoding), or s < `prefix_lengths[b]`
   (a bidirectional prefix: UniLM's sequence-to-sequence mask);
-- `window`: |t + offset - s| <= window;
+- `window`: |t + offset - s| <= window (a radius: a query sees `window`
+  keys on each side and itself; Longformer's `attention_window` W, the
+  whole span, is `window = W // 2`);
 - `global_tokens[b, .]` (self-attention): a global query sees every key and
   a global key is seen by every query, whatever `causal` and `window` say
   (padding and segments still apply).
 A query that would see no key sees every key instead: a softmax over
-nothing is NaN, and such queries are padding, whose outputs are unspecified.
+nothing is NaN, and such queries are padding, whose outputs are unspecified
+(a real token always sees itself); implementations that never form the
+whole row ("banded") give these queries some finite output instead.
+`max_global` bounds the global tokens of a row, a static size for
+implementations that gather them.
 
 Cross-attention is the same description with `padding` for the other
 sequence's keys (T and S differ, no `segments`, `causal` or `window`).
@@ -46,6 +52,10 @@ class AttentionMask:
         window: int or None. keys at most this many positions away.
         global_tokens: int or bool tensor (B, T) or None. tokens that see and
             are seen by every token (self-attention only).
+        max_global: int or None. at most this many global tokens in any
+            row: the static size implementations that gather the global
+            tokens use ("banded"); None: counted from `global_tokens` where
+            its values are known (eager calls).
 
     Example:
     >>> import numpy as np
@@ -62,11 +72,16 @@ class AttentionMask:
         prefix_lengths=None,
         window=None,
         global_tokens=None,
+        max_global=None,
     ):
         if window is not None and (
             not isinstance(window, int) or isinstance(window, bool) or window < 0
         ):
             raise ValueError(f"window must be a non-negative int or None, got {window!r}")
+        if max_global is not None and (
+            not isinstance(max_global, int) or isinstance(max_global, bool) or max_global < 1
+        ):
+            raise ValueError(f"max_global must be a positive int or None, got {max_global!r}")
         if prefix_lengths is not None and not causal:
             raise ValueError("prefix_lengths describes a causal mask's prefix: set causal=True")
         self.padding = padding
@@ -75,6 +90,7 @@ class AttentionMask:
         self.prefix_lengths = prefix_lengths
         self.window = window
         self.global_tokens = global_tokens
+        self.max_global = max_global
         self._dense = {}
 
     @classmethod

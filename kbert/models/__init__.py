@@ -1,4 +1,5 @@
 from kbert.models.backbone import BertBackbone
+from kbert.models.chunk_classifier import BertChunkClassifier
 from kbert.models.classifier import BertClassifier
 from kbert.models.distiller import BertDistiller
 from kbert.models.mobilebert import MobileBertBackbone
@@ -12,6 +13,7 @@ from kbert.models.token_classifier import BertTokenClassifier
 
 __all__ = [
     "BertBackbone",
+    "BertChunkClassifier",
     "BertClassifier",
     "BertDistiller",
     "BertMaskedLM",

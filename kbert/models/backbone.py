@@ -20,6 +20,7 @@ from kbert.layers import (
     initializers,
 )
 from kbert.layers.attention import check_implementation_name
+from kbert.layers.banded_attention import check_window, window_mask
 from kbert.layers.encoder import block_class
 from kbert.layers.quantization import apply_quantization, quantized_layers_config
 from kbert.models import preset_io
@@ -63,13 +64,21 @@ def is_packed(inputs):
 
 
 def encoder_forward(
-    embeddings, blocks, pooler, inputs, training=None, run_blocks=None, hidden_states=False
+    embeddings,
+    blocks,
+    pooler,
+    inputs,
+    training=None,
+    run_blocks=None,
+    hidden_states=False,
+    window=None,
 ):
     """The backbone's one forward: embeddings, the blocks, the pooler. It
     builds the functional graph, and `BertBackbone.call` runs it for the
     strategies the graph cannot express (packed rows; `run_blocks`, a
     function (blocks, x, attention_mask, training) -> x, for the blocks as
-    one loop)."""
+    one loop). `window`: (attention_window, global_tokens) for
+    sliding-window attention, or None."""
     packed = is_packed(inputs)
     # `training` only where given: the functional graph takes it from the call
     kw = {} if training is None else {"training": training}
@@ -79,6 +88,13 @@ def encoder_forward(
     if packed:
         attention_mask = AttentionMask(
             padding=inputs["padding_mask"], segments=inputs["example_ids"]
+        )
+    if window is not None:  # `kbert.layers.banded_attention`
+        attention_mask = window_mask(
+            inputs["padding_mask"],
+            *window,
+            position_ids=inputs["position_ids"] if packed else None,
+            segments=inputs["example_ids"] if packed else None,
         )
     states = [x]
     if run_blocks is not None:
@@ -168,7 +184,13 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         attention_implementation: str. "auto" (the fastest implementation
             that can take each call) or a name in
             `kbert.layers.attention.ATTENTION_IMPLEMENTATIONS` ("explicit",
-            "keras", "torch-sdpa", "jax-cudnn-flash").
+            "keras", "torch-sdpa", "jax-cudnn-flash", "banded").
+        attention_window: int or None. sliding-window attention
+            (Longformer's): each token sees `attention_window // 2` tokens
+            on each side, in memory linear in length ("banded"); None: full
+            attention.
+        global_tokens: int. with `attention_window`, the first this many
+            tokens of each row see and are seen by every token (1: [CLS]).
         dtype: str or `keras.DTypePolicy`. e.g. "float32", "mixed_bfloat16".
 
     Example:
@@ -205,6 +227,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         block_type="bert",
         block_options=None,
         attention_implementation="auto",
+        attention_window=None,
+        global_tokens=1,
         dtype=None,
         **kwargs,
     ):
@@ -236,6 +260,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
         activation = canonical_activation(activation)
         check_implementation_name(attention_implementation)
+        check_window(attention_window, global_tokens)
         block_cls = block_class(block_type)
         if block_options is not None and not isinstance(block_options, dict):
             raise ValueError(f"block_options must be a dict or None, got {block_options!r}")
@@ -285,6 +310,9 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             name: keras.Input(shape=(None,), dtype=dtype, name=name)
             for name, (dtype, _) in INPUTS.items()
         }
+        # A window's description holds static sizes beside tensors, which a
+        # functional graph cannot carry: with one, `call` runs this forward
+        # with it (the graph's shapes are the same).
         outputs = encoder_forward(
             embeddings, blocks, pooler, inputs, hidden_states=output_hidden_states
         )
@@ -308,12 +336,14 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.embedding_dim = embedding_dim
         self.share_layers = share_layers
         self.attention_implementation = attention_implementation
+        self.attention_window = attention_window
+        self.global_tokens = global_tokens
         self.block_type = block_type
         self.block_options = dict(block_options) if block_options else None
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         run_blocks = self._blocks_strategy(inputs)
-        if run_blocks is None and not is_packed(inputs):
+        if run_blocks is None and not is_packed(inputs) and not self.attention_window:
             return super().call(inputs, training=training, mask=mask, **kwargs)
         return encoder_forward(
             self.get_layer("embeddings"),
@@ -323,6 +353,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             training=training,
             run_blocks=run_blocks,
             hidden_states=self.output_hidden_states,
+            window=self.window,
         )
 
     def _blocks_strategy(self, inputs):
@@ -353,10 +384,17 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             )
         return None
 
+    @property
+    def window(self):
+        """(attention_window, global_tokens), or None for full attention."""
+        return (self.attention_window, self.global_tokens) if self.attention_window else None
+
     def can_loop_layers(self, inputs):
         """Whether `call` can run the blocks on `inputs` as one loop over
         stacked weights (`loops_layers`, and a (B, S) padding mask)."""
         if not isinstance(inputs, dict) or "padding_mask" not in inputs or is_packed(inputs):
+            return False
+        if self.attention_window:  # the loop takes a padding mask only
             return False
         return len(inputs["padding_mask"].shape) == 2 and self.loops_layers()
 
@@ -480,6 +518,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             **(
                 {"attention_implementation": self.attention_implementation}
                 if self.attention_implementation != "auto"
+                else {}
+            ),
+            **(
+                {"attention_window": self.attention_window, "global_tokens": self.global_tokens}
+                if self.attention_window
                 else {}
             ),
             **({"block_type": self.block_type} if self.block_type != "bert" else {}),

@@ -25,6 +25,7 @@ from kbert.models.preprocessor import BertPreprocessor
 from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
 from kbert.presets.loader import TASK_CONFIG_FILE, TASK_WEIGHTS_FILE, loader_for
+from kbert.presets.positions import resize_position_weights
 from kbert.presets.weights import assign_weights
 from kbert.tokenizers.wordpiece import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from kbert.tokenizers.wordpiece import VOCAB_FILE
@@ -43,6 +44,9 @@ BACKBONE_OVERRIDES = (
     "output_hidden_states",
     "adapter_size",
     "allow_pickle",
+    "max_sequence_length",
+    "attention_window",
+    "global_tokens",
 )
 
 
@@ -124,6 +128,9 @@ def build_backbone(backbone_cls, loader, load_weights, overrides):
             config, f"{directory} with {sorted(overrides)} overridden", load_weights=load_weights
         )
     io.check_vocabulary_file(directory, loader.vocabulary_file, config["vocabulary_size"])
+    if weights is not None and "max_sequence_length" in overrides:
+        # more positions than learned: the learned rows tiled; fewer: the first rows
+        weights = resize_position_weights(weights, config["max_sequence_length"])
     # weights the checkpoint sets are built as zeros, not drawn (`kbert.layers.initializers`)
     building = initializers.placeholders() if weights is not None else contextlib.nullcontext()
     try:
@@ -142,9 +149,10 @@ def build_backbone(backbone_cls, loader, load_weights, overrides):
     return backbone
 
 
-def _check_tokenizer_settings(directory, backbone):
+def _check_tokenizer_settings(directory, backbone, length_follows=False):
     """The kbert and Hugging Face tokenizer settings in `directory`, checked
-    before a preprocessor is built from them."""
+    before a preprocessor is built from them (`length_follows`: the saved
+    sequence length will be replaced by the backbone's, so any is fine)."""
     if os.path.lexists(os.path.join(directory, TOKENIZER_CONFIG_FILE)):
         config = io.read_json(directory, TOKENIZER_CONFIG_FILE)
         source = os.path.join(directory, TOKENIZER_CONFIG_FILE)
@@ -165,7 +173,7 @@ def _check_tokenizer_settings(directory, backbone):
         config = io.read_json(directory, PREPROCESSOR_FILE)
         source = os.path.join(directory, PREPROCESSOR_FILE)
         length = config.get("sequence_length", 1)
-        limit = backbone.max_sequence_length
+        limit = (1 << 31) if length_follows else backbone.max_sequence_length
         if not (isinstance(length, int) and not isinstance(length, bool) and 1 <= length <= limit):
             raise io.PresetError(
                 f"{source}: sequence_length must be an integer in [1, {limit}] (the backbone's "
@@ -238,8 +246,12 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     backbone = build_backbone(cls.backbone_cls, loader, load_weights, backbone_overrides)
     head = loader.task_head(cls, load_weights)
     if "preprocessor" not in kwargs:
-        _check_tokenizer_settings(directory, backbone)
+        resized = "max_sequence_length" in backbone_overrides
+        _check_tokenizer_settings(directory, backbone, length_follows=resized)
         kwargs["preprocessor"] = cls.default_preprocessor(directory, backbone)
+        if resized and kwargs["preprocessor"] is not None:
+            # a backbone loaded for longer (or shorter) inputs packs rows of its length
+            kwargs["preprocessor"].sequence_length = backbone.max_sequence_length
     _check_preprocessor(kwargs["preprocessor"], backbone, directory)
     model = cls(backbone=backbone, **{**(head.config if head else {}), **kwargs})
     apply_quantization(model, head.quantized if head else None, f"{directory}/{TASK_CONFIG_FILE}")

@@ -1,0 +1,263 @@
+"""Sliding-window + global attention whose memory is linear in length:
+the "banded" attention implementation.
+
+Shapes: B batch, T tokens, N heads, D head size, W window radius
+(`AttentionMask.window`), C block size, K = T_pad / C blocks, G global
+slots (`AttentionMask.max_global`).
+
+Queries are cut into K blocks of C = min(W, T) tokens; block i attends to
+key blocks i - 1, i and i + 1 (3 C keys, which hold every key within W of
+each of its queries), so scores take (B, N, K, C, 3 C) = 3 T C entries, not
+T^2 (the blocked local attention of BigBird and LSG; Longformer's
+`sliding_chunks` overlaps chunks of 2 W instead). Global tokens
+(`AttentionMask.global_tokens`) are gathered into G slots: every query
+also scores the G global keys (one softmax over band and global keys, a
+global key inside the band counted once), and the G global queries attend
+to all T keys, (B, N, G, T) scores, their outputs written back over the
+banded ones. Everything is the mask description's rules (`kbert.layers.masks`)
+applied to the keys each query can reach, so outputs equal "explicit"'s
+to float rounding; the exception is a query that sees no key at all (only
+padding can be one), which the dense rule lets see every key and which gets
+some finite output here instead.
+
+The gather and scatter of global tokens are one-hot products (B, T, G):
+exact, differentiable, and the same op on every backend.
+"""
+
+from keras import ops
+
+from kbert.layers import attention
+from kbert.layers.masks import AttentionMask
+from kbert.utils import checks
+
+NAME = "banded"
+
+
+def global_slots(mask):
+    """G: the static number of global slots a call needs (`max_global`, or
+    the most global tokens of any row where their values are known), or
+    None when it cannot be known."""
+    if mask.global_tokens is None:
+        return 0
+    if mask.max_global is not None:
+        return mask.max_global
+    if checks.is_concrete(mask.global_tokens):
+        counts = ops.convert_to_numpy(ops.sum(ops.cast(mask.global_tokens, "int32"), axis=1))
+        return max(1, int(counts.max()) if counts.size else 1)
+    return None
+
+
+def supports(mask, dtype, rate):
+    """Windowed self-attention whose global slots have a static size."""
+    return mask.window is not None and global_slots(mask) is not None
+
+
+def _pad_tokens(x, before, after):
+    """`x` (B, T, ...) with `before` and `after` zeros on the token axis."""
+    widths = [(0, 0)] * len(x.shape)
+    widths[1] = (before, after)
+    return ops.pad(x, widths)
+
+
+def _blocks(x, blocks, size):
+    """(B, K C, ...) -> (B, K, C, ...)."""
+    return ops.reshape(x, (ops.shape(x)[0], blocks, size, *x.shape[2:]))
+
+
+def _band(x, blocks, size, pad):
+    """(B, T, ...) -> (B, K, 3 C, ...): for each query block, the key
+    blocks before, at and after it (zeros beyond the ends)."""
+    x = _blocks(_pad_tokens(x, size, pad + size), blocks + 2, size)  # (B, K + 2, C, ...)
+    return ops.concatenate([x[:, :-2], x[:, 1:-1], x[:, 2:]], axis=2)  # (B, K, 3C, ...)
+
+
+def banded_attention(query, key, value, mask, scale, dropout):
+    """softmax(Q K^T * scale) V over the keys `mask` lets each query see,
+    computed on the band of 3 C keys around each block of C queries plus the
+    global tokens. `query`, `key`, `value` (B, T, N, D), self-attention.
+
+    Example:
+    >>> import numpy as np
+    >>> from kbert.layers import AttentionMask
+    >>> from kbert.layers.attention import AttentionDropout
+    >>> q = np.random.default_rng(0).normal(size=(1, 10, 2, 4)).astype("float32")
+    >>> mask = AttentionMask(padding=np.ones((1, 10), "int32"), window=2)
+    >>> out = banded_attention(q, q, q, mask, 0.5, AttentionDropout(0.0, None))
+    >>> tuple(out.shape)
+    (1, 10, 2, 4)
+    """
+    if mask.window is None:
+        raise ValueError(f'"{NAME}" attention needs a window in the mask, got {mask!r}')
+    if query.shape[1] is not None and key.shape[1] is not None and query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f'"{NAME}" attention is self-attention; got {query.shape[1]} queries and '
+            f"{key.shape[1]} keys"
+        )
+    slots = global_slots(mask)
+    if slots is None:
+        raise ValueError(
+            f'"{NAME}" attention needs a static number of global tokens: build the '
+            "AttentionMask with max_global=..."
+        )
+    batch, length = ops.shape(query)[0], ops.shape(query)[1]
+    static_length = query.shape[1]
+    size = max(1, mask.window)
+    if isinstance(static_length, int):
+        size = max(1, min(size, static_length))  # one block when the window spans the row
+    blocks = (length + size - 1) // size
+    pad = blocks * size - length
+
+    # positions: queries (K, C), band keys (K, 3C); band keys beyond the row are invalid
+    q_pos = ops.reshape(ops.arange(blocks * size, dtype="int32"), (blocks, size))
+    k_pos = ops.reshape(ops.arange(-size, (blocks + 1) * size, dtype="int32"), (blocks + 2, size))
+    k_pos = ops.concatenate([k_pos[:-2], k_pos[1:-1], k_pos[2:]], axis=1)  # (K, 3C)
+    delta = q_pos[:, :, None] - k_pos[:, None, :]  # (K, C, 3C)
+    sees = ops.logical_and(
+        ops.less_equal(ops.abs(delta), mask.window),
+        ops.logical_and(ops.greater_equal(k_pos, 0), ops.less(k_pos, length))[:, None, :],
+    )[None]  # (1, K, C, 3C)
+    if mask.causal:
+        before = ops.greater_equal(delta, 0)[None]  # (1, K, C, 3C)
+        if mask.prefix_lengths is not None:
+            prefix = ops.cast(mask.prefix_lengths, "int32")[:, None, None, None]
+            before = ops.logical_or(before, ops.less(k_pos[None, :, None, :], prefix))
+        sees = ops.logical_and(sees, before)
+    if mask.padding is not None:
+        real = ops.cast(mask.padding, "int32")
+        sees = ops.logical_and(sees, ops.cast(_band(real, blocks, size, pad), "bool")[:, :, None])
+    if mask.segments is not None:
+        segments = ops.cast(mask.segments, "int32")
+        q_seg = _blocks(_pad_tokens(segments, 0, pad), blocks, size)  # (B, K, C)
+        k_seg = _band(segments, blocks, size, pad)  # (B, K, 3C)
+        sees = ops.logical_and(sees, ops.equal(q_seg[:, :, :, None], k_seg[:, :, None, :]))
+    if slots:
+        is_global = ops.cast(ops.cast(mask.global_tokens, "bool"), "int32")  # (B, T)
+        # a global key is one of the G global columns; leaving it out of the band counts it once
+        k_global = ops.cast(_band(is_global, blocks, size, pad), "bool")  # (B, K, 3C)
+        sees = ops.logical_and(sees, ops.logical_not(k_global)[:, :, None])
+
+    q_blocks = _blocks(_pad_tokens(query, 0, pad), blocks, size)  # (B, K, C, N, D)
+    k_band = _band(key, blocks, size, pad)  # (B, K, 3C, N, D)
+    v_band = _band(value, blocks, size, pad)  # (B, K, 3C, N, D)
+    scores = ops.einsum("bicnd,bijnd->bnicj", q_blocks, k_band)  # (B, N, K, C, 3C)
+    scores = ops.cast(scores, "float32") * scale
+    # masked keys get -1e30, as in "explicit": exp underflows to exactly 0
+    scores = scores + (ops.cast(sees, "float32")[:, None] - 1.0) * 1e30
+    band_keys = 3 * size
+
+    if slots:
+        # one-hot (B, T, G): token t fills slot j when it is the (j+1)-th global token of its row
+        rank = ops.cumsum(is_global, axis=1) - 1  # (B, T)
+        onehot = ops.logical_and(
+            ops.equal(rank[:, :, None], ops.arange(slots, dtype="int32")[None, None]),
+            ops.cast(is_global, "bool")[:, :, None],
+        )
+        select = ops.cast(onehot, query.dtype)  # (B, T, G)
+        select32 = ops.cast(onehot, "float32")
+        g_query = ops.einsum("btg,btnd->bgnd", select, query)  # (B, G, N, D)
+        g_key = ops.einsum("btg,btnd->bgnd", select, key)
+        g_value = ops.einsum("btg,btnd->bgnd", select, value)
+        g_seen = ops.sum(select32, axis=1)  # (B, G): 1 where a slot holds a token
+        if mask.padding is not None:
+            g_seen = g_seen * ops.einsum("btg,bt->bg", select32, ops.cast(real, "float32"))
+        g_sees = ops.broadcast_to(
+            ops.cast(g_seen, "bool")[:, None, None, :], (batch, blocks, size, slots)
+        )  # (B, K, C, G)
+        if mask.segments is not None:
+            g_seg = ops.einsum("btg,bt->bg", select32, ops.cast(segments, "float32"))
+            same = ops.equal(ops.cast(q_seg, "float32")[:, :, :, None], g_seg[:, None, None, :])
+            g_sees = ops.logical_and(g_sees, same)
+        g_scores = ops.einsum("bicnd,bgnd->bnicg", q_blocks, g_key)  # (B, N, K, C, G)
+        g_scores = ops.cast(g_scores, "float32") * scale
+        g_scores = g_scores + (ops.cast(g_sees, "float32")[:, None] - 1.0) * 1e30
+        scores = ops.concatenate([scores, g_scores], axis=-1)  # (B, N, K, C, 3C + G)
+
+    probs = ops.cast(ops.softmax(scores, axis=-1), query.dtype)
+    if dropout.rate:
+        probs = dropout.apply(probs)
+    context = ops.einsum("bnicj,bijnd->bicnd", probs[..., :band_keys], v_band)  # (B, K, C, N, D)
+    if slots:
+        context = context + ops.einsum("bnicg,bgnd->bicnd", probs[..., band_keys:], g_value)
+    context = ops.reshape(context, (batch, blocks * size, *query.shape[2:]))[:, :length]
+
+    if not slots:
+        return context  # (B, T, N, D)
+    # the global queries see every key (padding and segments apply)
+    g_all = ops.einsum("bgnd,bsnd->bngs", g_query, key)  # (B, N, G, T)
+    g_all = ops.cast(g_all, "float32") * scale
+    keep = ops.ones((batch, slots, length), "bool")
+    if mask.padding is not None:
+        keep = ops.logical_and(keep, ops.cast(real, "bool")[:, None, :])
+    if mask.segments is not None:
+        g_seg_q = ops.einsum("btg,bt->bg", select32, ops.cast(segments, "float32"))
+        keep = ops.logical_and(
+            keep, ops.equal(g_seg_q[:, :, None], ops.cast(segments, "float32")[:, None, :])
+        )
+    keep = ops.logical_or(keep, ops.logical_not(ops.any(keep, axis=-1, keepdims=True)))
+    g_all = g_all + (ops.cast(keep, "float32")[:, None] - 1.0) * 1e30
+    g_probs = ops.cast(ops.softmax(g_all, axis=-1), query.dtype)
+    if dropout.rate:
+        g_probs = dropout.apply(g_probs)
+    g_context = ops.einsum("bngs,bsnd->bgnd", g_probs, value)  # (B, G, N, D)
+    g_context = ops.einsum("btg,bgnd->btnd", select, g_context)  # (B, T, N, D), zeros elsewhere
+    return ops.where(ops.cast(is_global, "bool")[:, :, None, None], g_context, context)
+
+
+attention.register_attention(NAME, banded_attention, supports, auto_position=0)
+
+
+def check_window(attention_window, global_tokens):
+    """Raises a ValueError naming the setting unless `attention_window` is
+    None or a positive even int and `global_tokens` a non-negative int."""
+    if attention_window is not None and (
+        not isinstance(attention_window, int)
+        or isinstance(attention_window, bool)
+        or attention_window < 2
+        or attention_window % 2
+    ):
+        raise ValueError(
+            "attention_window must be None (full attention) or a positive even int W "
+            f"(each token sees W / 2 tokens on each side, as in Longformer), "
+            f"got {attention_window!r}"
+        )
+    if not isinstance(global_tokens, int) or isinstance(global_tokens, bool) or global_tokens < 0:
+        raise ValueError(
+            f"global_tokens must be a non-negative int (the first tokens of each example that "
+            f"attend everywhere; 1: [CLS]), got {global_tokens!r}"
+        )
+
+
+def window_mask(padding_mask, attention_window, global_tokens, position_ids=None, segments=None):
+    """The `AttentionMask` of sliding-window attention: each token sees
+    `attention_window // 2` tokens on each side; the first `global_tokens`
+    tokens of each example ([CLS] for 1) see and are seen by every token.
+
+    Args:
+        padding_mask: int tensor (B, T). 1 for real tokens.
+        attention_window: int. W, the whole window (Longformer's
+            `attention_window`).
+        global_tokens: int. global tokens at the start of each example.
+        position_ids: int tensor (B, T) or None. each token's position in
+            its example, for rows holding several (`segments` then says which).
+        segments: int tensor (B, T) or None. the example of each token.
+
+    Example:
+    >>> import numpy as np
+    >>> mask = window_mask(np.ones((1, 6), "int32"), 2, 1)
+    >>> mask.window, mask.max_global
+    (1, 1)
+    """
+    parts = {"padding": padding_mask, "window": attention_window // 2}
+    if segments is not None:
+        parts["segments"] = segments
+    if global_tokens:
+        if position_ids is None:
+            position_ids = ops.cumsum(ops.ones_like(padding_mask), axis=1) - 1  # (B, T)
+            parts["max_global"] = global_tokens
+        else:  # one set per example: at most one example per token
+            length = padding_mask.shape[1]
+            if not isinstance(length, int):
+                raise ValueError("rows holding several examples need a static length")
+            parts["max_global"] = length
+        parts["global_tokens"] = ops.cast(ops.less(position_ids, global_tokens), "int32")
+    return AttentionMask(**parts)

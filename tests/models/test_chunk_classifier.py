@@ -1,0 +1,92 @@
+"""Chunk-and-pool classification of long documents: the windows, the
+pooling over them, one prediction per document, fit / predict / save / load."""
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.data.long_documents import chunk_documents
+from kbert.models.chunk_classifier import ChunkPooling
+from tests import harness
+from tests.harness import TINY
+
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a movie was good bad plot".split()
+TOKENIZER = kbert.BertTokenizer(VOCAB)
+
+
+def test_chunk_documents_frames_cuts_and_pads():
+    x = chunk_documents(TOKENIZER, ["the plot was good the movie", "", "bad " * 20], 5, 3)
+    ids = x["token_ids"]
+    assert ids.shape == (3, 3, 5) and x["segment_ids"].max() == 0
+    the, plot, was, good, movie = (
+        TOKENIZER.token_to_id(t) for t in "the plot was good movie".split()
+    )
+    assert ids[0].tolist() == [
+        [2, the, plot, was, 3],
+        [2, good, the, movie, 3],
+        [0, 0, 0, 0, 0],
+    ]
+    assert x["padding_mask"][0].sum(-1).tolist() == [5, 5, 0]
+    assert ids[1, 0].tolist() == [2, 3, 0, 0, 0]  # an empty text: one window [CLS] [SEP]
+    assert x["padding_mask"][2].sum(-1).tolist() == [5, 5, 5]  # cut to max_chunks windows
+
+
+@pytest.mark.parametrize("pooling", ["mean", "max"])
+def test_chunk_pooling_leaves_out_empty_windows(pooling):
+    x = np.array([[[1.0, -5.0], [3.0, -2.0], [9.0, 9.0]], [[4.0, 4.0], [7.0, 7.0], [1.0, 1.0]]])
+    mask = np.array([[[1, 1], [1, 0], [0, 0]], [[0, 0]] * 3])
+    got = keras.ops.convert_to_numpy(ChunkPooling(pooling)(x.astype("float32"), mask))
+    want = [[2.0, -3.5], [0.0, 0.0]] if pooling == "mean" else [[3.0, -2.0], [0.0, 0.0]]
+    np.testing.assert_allclose(got, want)
+
+
+@pytest.fixture
+def classifier_preset(tmp_path):
+    backbone = kbert.BertBackbone(
+        **{**TINY, "num_layers": 1, "vocabulary_size": len(VOCAB), "max_sequence_length": 8}
+    )
+    preprocessor = kbert.BertPreprocessor(TOKENIZER, sequence_length=8)
+    model = kbert.BertClassifier(backbone, 2, preprocessor=preprocessor)
+    model.save_to_preset(tmp_path / "classifier")
+    return model, tmp_path / "classifier"
+
+
+def test_one_prediction_per_document_from_its_windows(classifier_preset):
+    """A BertClassifier preset loads with its head; a document's logits are
+    the head on the mean of its windows' pooled [CLS] vectors."""
+    classifier, directory = classifier_preset
+    model = kbert.BertChunkClassifier.from_preset(directory, num_classes=2, max_chunks=3)
+    texts = ["the movie was good", "the plot was bad " * 3]
+    logits = model.predict(texts, verbose=0)
+    assert logits.shape == (2, 2)
+    # one window: the classifier's own output
+    np.testing.assert_allclose(logits[0], classifier.predict(texts[:1], verbose=0)[0], atol=1e-5)
+    # several: the head on the mean of the windows' pooled outputs
+    windows = chunk_documents(TOKENIZER, texts[1:], 8, 3)
+    real = windows["padding_mask"][0].any(-1)
+    flat = {k: v[0][real] for k, v in windows.items()}
+    pooled = classifier.backbone.predict(flat, verbose=0)["pooled_output"].mean(0)
+    kernel, bias = classifier.get_layer("logits").get_weights()
+    np.testing.assert_allclose(logits[1], pooled @ kernel + bias, atol=1e-5)
+
+
+def test_chunk_classifier_fits_and_round_trips(classifier_preset, tmp_path):
+    _, directory = classifier_preset
+    model = kbert.BertChunkClassifier.from_preset(
+        directory, num_classes=2, max_chunks=3, pooling="max"
+    )
+    texts = ["the good plot " * 4, "the bad plot " * 4, "good movie", "bad movie"] * 2
+    labels = np.array([1, 0, 1, 0] * 2)
+    model.compile(learning_rate=1e-2)
+    start = model.evaluate(texts, labels, verbose=0, return_dict=True)["loss"]
+    model.fit(texts, labels, batch_size=4, epochs=15, verbose=0)
+    assert model.evaluate(texts, labels, verbose=0, return_dict=True)["loss"] < start - 0.05
+    before = model.predict(texts, verbose=0)
+    model.save_to_preset(tmp_path / "chunks")
+    again = kbert.BertChunkClassifier.from_preset(tmp_path / "chunks")
+    assert (again.max_chunks, again.pooling) == (3, "max")
+    np.testing.assert_allclose(again.predict(texts, verbose=0), before, atol=1e-6)
+    harness.check_keras_round_trip(model, model.preprocess_samples(texts[:2]), tmp_path)
+    with pytest.raises(ValueError, match="pooling"):
+        kbert.BertChunkClassifier(model.backbone, 2, pooling="sum")

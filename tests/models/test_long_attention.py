@@ -1,0 +1,109 @@
+"""Backbones and tasks with sliding-window + global attention
+(`attention_window`): the same outputs as the dense masked reference, full
+attention when the window spans the row, fit, predict and save/load."""
+
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from tests import harness
+from tests.harness import TINY
+
+CONFIG = {
+    **TINY,
+    "num_layers": 1,
+    "max_sequence_length": 40,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+}
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a movie was good bad".split()
+
+
+def _twin(backbone, **changes):
+    twin = kbert.BertBackbone.from_config({**backbone.get_config(), **changes})
+    twin.set_weights(backbone.get_weights())
+    return twin
+
+
+def test_windowed_backbone_equals_the_dense_reference():
+    banded = kbert.BertBackbone(**CONFIG, attention_window=6, global_tokens=2)
+    x = harness.backbone_inputs(batch=3, length=37, vocabulary_size=97)  # 37: not a block multiple
+    real = x["padding_mask"][..., None]
+
+    def outputs(model):  # compiled: one program per model, not one per op
+        y = model.predict(x, batch_size=3, verbose=0)
+        return y["sequence_output"] * real, y["pooled_output"]
+
+    got = outputs(banded)
+    want = outputs(_twin(banded, attention_implementation="explicit"))
+    assert harness.max_abs_diff(got, want) <= 1e-5
+    # a window is a different model from full attention...
+    full = outputs(_twin(banded, attention_window=None))
+    assert np.max(np.abs(full[0] - got[0])) > 1e-3
+    # ...unless it spans the row
+    assert harness.max_abs_diff(full, outputs(_twin(banded, attention_window=80))) <= 1e-5
+
+
+def test_windowed_backbone_config_and_keras_round_trip(tmp_path):
+    backbone = kbert.BertBackbone(**CONFIG, attention_window=4)
+    config = harness.check_config_round_trip(backbone).get_config()
+    assert (config["attention_window"], config["global_tokens"]) == (4, 1)
+    assert "attention_window" not in kbert.BertBackbone(**CONFIG).get_config()
+    x = harness.backbone_inputs(batch=2, length=12, vocabulary_size=97)
+    harness.check_keras_round_trip(backbone, x, tmp_path)
+    with pytest.raises(ValueError, match="attention_window"):
+        kbert.BertBackbone(**CONFIG, attention_window=5)
+
+
+def test_windowed_classifier_fits_predicts_and_round_trips(tmp_path):
+    backbone = kbert.BertBackbone(**{**CONFIG, "vocabulary_size": len(VOCAB)}, attention_window=4)
+    preprocessor = kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), sequence_length=40)
+    model = kbert.BertClassifier(backbone, 2, preprocessor=preprocessor)
+    texts = ["the movie was good " * 6, "the movie was bad " * 7, "good", "bad bad"] * 2
+    labels = np.array([1, 0, 1, 0] * 2)
+    model.compile(learning_rate=1e-3)
+    history = model.fit(texts, labels, batch_size=4, epochs=1, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
+    before = model.predict(texts, verbose=0)
+    model.save_to_preset(tmp_path / "preset")
+    again = kbert.BertClassifier.from_preset(tmp_path / "preset")
+    assert again.backbone.attention_window == 4
+    np.testing.assert_allclose(again.predict(texts, verbose=0), before, atol=1e-5)
+    # a full-attention preset, loaded longer and windowed
+    full = kbert.BertClassifier.from_preset(
+        tmp_path / "preset", attention_window=None, max_sequence_length=80
+    )
+    assert full.backbone.attention_window is None and full.preprocessor.sequence_length == 80
+
+
+def test_packed_rows_with_a_window_give_each_example_its_own_outputs():
+    """Rows holding several examples: the window stays inside each example
+    and each example's [CLS] is global (its position 0)."""
+    from kbert.training import batching
+    from tests.models.test_packing import inputs
+
+    backbone = kbert.BertBackbone(**{**CONFIG, "max_sequence_length": 32}, attention_window=4)
+    model = kbert.BertClassifier(backbone, 3, dropout=0.0)
+    x = inputs(n=8)
+    alone = model.predict_on_batch(x)
+    data = batching.PackedBatches(x, np.zeros(8, "int32"), batch_size=8, row_length=32)
+    batch, _ = data[0]
+    assert batch["token_ids"].shape[0] < 8  # examples side by side
+    packed = keras.ops.convert_to_numpy(model(batch, training=False))
+    np.testing.assert_allclose(packed, alone[data.batches[0]], atol=1e-5)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="a SavedModel, once")
+def test_windowed_backbone_exports_a_saved_model(tmp_path):
+    import tensorflow as tf
+
+    backbone = kbert.BertBackbone(**CONFIG, attention_window=6)
+    backbone.export(str(tmp_path / "saved"), verbose=0)
+    x = harness.backbone_inputs(batch=2, length=37, vocabulary_size=97)
+    loaded = tf.saved_model.load(str(tmp_path / "saved"))  # kept: serve uses its variables
+    served = loaded.serve({k: tf.constant(v) for k, v in x.items()})
+    want = harness.to_numpy(backbone(x))
+    real = x["padding_mask"][..., None]
+    got = served["sequence_output"].numpy()
+    assert np.max(np.abs((got - want["sequence_output"]) * real)) <= 1e-5

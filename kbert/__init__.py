@@ -10,6 +10,7 @@ from kbert.models import (
     BertPreprocessor,
     BertPreTrainer,
     BertQuestionAnswerer,
+    BertSeq2SeqLM,
     BertTextEmbedder,
     BertTokenClassifier,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "BertPreprocessor",
     "BertPreTrainer",
     "BertQuestionAnswerer",
+    "BertSeq2SeqLM",
     "BertTextEmbedder",
     "BertTokenClassifier",
     "BertTokenizer",

@@ -3,6 +3,7 @@
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention
+from kbert.layers.decoder import MultiHeadCrossAttention, TransformerDecoderBlock
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding
@@ -19,10 +20,12 @@ __all__ = [
     "Dropout",
     "LayerNorm",
     "MaskedLMHead",
+    "MultiHeadCrossAttention",
     "MultiHeadSelfAttention",
     "NextSentenceHead",
     "Pooler",
     "TokenEmbedding",
+    "TransformerDecoderBlock",
     "TransformerEncoderBlock",
     "canonical_activation",
     "get_activation",

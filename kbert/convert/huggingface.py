@@ -635,6 +635,10 @@ class HuggingFaceLoader(PresetLoader):
 register_format(HuggingFaceLoader)
 
 
+# kbert class name -> the function exporting it, for model types whose
+# converter is a module of its own (`kbert.convert.encoder_decoder`).
+EXPORTERS = {}
+
 KBERT_TO_HF_ACTIVATION = {
     "gelu": "gelu",
     "gelu_tanh": "gelu_new",
@@ -673,6 +677,8 @@ def export_to_huggingface(model, directory, preprocessor=None):
             write; defaults to the one attached to `model`.
     """
     name = type(model).__name__
+    if name in EXPORTERS:  # a model type of another module (e.g. an encoder-decoder)
+        return EXPORTERS[name](model, directory, preprocessor)
     if name not in TASKS:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
     task = TASKS[name]
@@ -734,20 +740,25 @@ def export_to_huggingface(model, directory, preprocessor=None):
         )
     preprocessor = preprocessor or attached
     if preprocessor is not None:
-        tokenizer = preprocessor.tokenizer
-        tokenizer.save(directory)
-        # kbert's own settings (casing, rules, special tokens) read back by
-        # kbert, plus the names transformers' BertTokenizer reads.
-        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-            json.dump(
-                {
-                    **tokenizer.get_config(),
-                    "tokenizer_class": "BertTokenizer",
-                    "do_lower_case": tokenizer.lowercase,
-                    "model_max_length": backbone.max_sequence_length,
-                },
-                f,
-                indent=2,
-                sort_keys=True,
-            )
+        write_tokenizer_files(preprocessor, directory, backbone.max_sequence_length)
     return directory
+
+
+def write_tokenizer_files(preprocessor, directory, max_length):
+    """vocab.txt and tokenizer_config.json of `preprocessor`'s tokenizer."""
+    tokenizer = preprocessor.tokenizer
+    tokenizer.save(directory)
+    # kbert's own settings (casing, rules, special tokens) read back by
+    # kbert, plus the names transformers' BertTokenizer reads.
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                **tokenizer.get_config(),
+                "tokenizer_class": "BertTokenizer",
+                "do_lower_case": tokenizer.lowercase,
+                "model_max_length": max_length,
+            },
+            f,
+            indent=2,
+            sort_keys=True,
+        )

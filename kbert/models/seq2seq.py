@@ -31,10 +31,13 @@ from kbert.layers import BertEmbeddings
 from kbert.layers.decoder import TransformerDecoderBlock, block_call_cached
 from kbert.layers.heads import MaskedLMHead
 from kbert.models.backbone import BertBackbone
+from kbert.models.preset_io import BACKBONE_OVERRIDES, directory_preprocessor, held_model
 from kbert.models.pretrainer import _masked_lm_sums
 from kbert.models.task import Task
+from kbert.presets.io import resolve_preset
 
 ARCHITECTURES = ("bert2bert", "shared", "unilm")
+_SAME = "same"  # from_preset's decoder: the encoder's preset
 INPUT_NAMES = (
     "encoder_token_ids",
     "encoder_padding_mask",
@@ -470,6 +473,44 @@ class BertSeq2SeqLM(Task):
         return logits, {**state, "keys": keys, "values": values, "key_mask": key_mask}
 
     # --- construction -----------------------------------------------------
+
+    @classmethod
+    def from_preset(
+        cls, preset, load_weights=True, architecture=None, decoder=_SAME, **kwargs
+    ):
+        """A seq2seq model from a preset, or warm-started from BERT presets.
+
+        A kbert BertSeq2SeqLM preset or a Hugging Face `EncoderDecoderModel`
+        directory loads as saved (when neither `architecture` nor `decoder`
+        is given). Any other BERT preset or Hugging Face BERT directory is
+        the encoder of a new model (`from_backbone`): for "bert2bert" the
+        decoder is warm-started from `decoder` (a preset; by default the
+        same as the encoder: BERT2BERT; None: random, BERT2Rnd), its
+        cross-attention and LM-head transform start random.
+
+        Args:
+            preset: str or path. a registered name or a directory.
+            load_weights: bool. False: the architecture, randomly initialised.
+            architecture: str or None. "bert2bert" (default for a BERT
+                preset), "shared" or "unilm".
+            decoder: str, path or None. the bert2bert decoder's preset.
+            **kwargs: other `BertSeq2SeqLM` arguments, or backbone
+                overrides such as `dtype`.
+        """
+        directory = resolve_preset(preset, allow_pickle=kwargs.get("allow_pickle", False))
+        held, _ = held_model(directory)
+        if held == cls.__name__ and architecture is None and decoder is _SAME:
+            return super().from_preset(directory, load_weights=load_weights, **kwargs)
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
+        backbone = BertBackbone.from_preset(directory, load_weights=load_weights, **overrides)
+        if "preprocessor" not in kwargs:
+            kwargs["preprocessor"] = directory_preprocessor(directory, backbone)
+        architecture = architecture or "bert2bert"
+        if decoder is _SAME:
+            decoder = backbone if architecture == "bert2bert" else None
+        elif decoder is not None:
+            decoder = BertBackbone.from_preset(decoder, load_weights=load_weights, **overrides)
+        return cls.from_backbone(backbone, architecture, decoder=decoder, **kwargs)
 
     @classmethod
     def from_backbone(

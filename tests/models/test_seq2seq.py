@@ -1,0 +1,188 @@
+import keras
+import numpy as np
+import pytest
+
+import kbert
+from kbert.convert.huggingface import export_to_huggingface
+from kbert.layers.encoder import BLOCKS
+from tests import harness
+
+TINY = dict(
+    vocabulary_size=61,
+    num_layers=2,
+    num_heads=2,
+    hidden_dim=16,
+    intermediate_dim=24,
+    max_sequence_length=32,
+)
+
+
+def seq2seq_inputs(batch=3, source=7, target=5, vocabulary_size=61, seed=0):
+    """Random ids, rows padded differently on both sides."""
+    rng = np.random.default_rng(seed)
+    enc = np.ones((batch, source), "int32")
+    dec = np.ones((batch, target), "int32")
+    for row in range(1, batch):
+        enc[row, source - 2 * row :] = 0
+        dec[row, target - row :] = 0
+    return {
+        "encoder_token_ids": (rng.integers(4, vocabulary_size, enc.shape) * enc).astype("int32"),
+        "encoder_padding_mask": enc,
+        "decoder_token_ids": (rng.integers(4, vocabulary_size, dec.shape) * dec).astype("int32"),
+        "decoder_padding_mask": dec,
+    }
+
+
+def real(logits, x):
+    """Logits at real decoder positions only (padding outputs are unspecified)."""
+    return np.asarray(logits)[np.asarray(x["decoder_padding_mask"]).astype(bool)]
+
+
+def model(architecture, seed=0):
+    keras.utils.set_random_seed(seed)
+    backbone = kbert.BertBackbone(**TINY)
+    return kbert.BertSeq2SeqLM.from_backbone(
+        backbone, architecture, start_token_id=2, end_token_id=3
+    )
+
+
+def test_decoder_block_is_registered():
+    assert BLOCKS["bert_decoder"] is kbert.layers.TransformerDecoderBlock
+
+
+@pytest.mark.parametrize("architecture", ["bert2bert", "shared", "unilm"])
+def test_round_trips(architecture, tmp_path):
+    m = model(architecture)
+    x = seq2seq_inputs()
+    out = m(x)
+    assert tuple(out.shape) == (3, 5, TINY["vocabulary_size"]) and out.dtype == "float32"
+    harness.check_config_round_trip(m)
+    harness.check_eager_vs_compiled(m, x)
+    harness.check_keras_round_trip(m, x, tmp_path)
+    directory = harness.check_preset_round_trip(m, x, tmp_path)
+    assert kbert.BertSeq2SeqLM.from_preset(directory).architecture == architecture
+
+
+def test_shared_encoder_and_decoder_are_the_same_weights():
+    m = model("shared")
+    block = m.backbone.transformer_layers[0]
+    assert m.decoder_blocks[0] is block
+    assert m.lm_head.token_embedding is m.backbone.token_embedding
+    # one set of weights: the encoder's plus cross-attention and the LM head
+    plain = kbert.BertBackbone(**TINY)
+    own = {v.path for v in m.weights} - {v.path for v in plain.weights}
+    assert all(p.startswith(("lm_head/", "transformer_layer_")) for p in own)
+    assert all("cross_attention" in p for p in own if p.startswith("transformer_layer_"))
+
+
+def test_unilm_target_sees_source_and_earlier_targets_only():
+    m = model("unilm")
+    x = seq2seq_inputs(batch=1)
+    base = np.asarray(m(x))
+    later = dict(x, decoder_token_ids=x["decoder_token_ids"].copy())
+    later["decoder_token_ids"][0, 3:] = 5  # changes nothing before position 3
+    changed = np.asarray(m(later))
+    np.testing.assert_allclose(changed[0, :3], base[0, :3], atol=1e-6)
+    assert np.abs(changed[0, 3:] - base[0, 3:]).max() > 1e-4
+    source = dict(x, encoder_token_ids=x["encoder_token_ids"].copy())
+    source["encoder_token_ids"][0, -1] = 7  # the last source token reaches every target
+    assert np.abs(np.asarray(m(source))[0, 0] - base[0, 0]).max() > 1e-4
+    # padding changes nothing: the same row with extra padding on both sides
+    padded = {
+        k: np.pad(v, ((0, 0), (0, 2))) for k, v in x.items()
+    }
+    np.testing.assert_allclose(np.asarray(m(padded))[0, :5], base[0], atol=1e-5)
+
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+
+def hf_encoder_decoder(tmp_path, seed=0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=61,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=32,
+        hidden_act="gelu",
+    )
+    encoder = transformers.BertConfig(num_hidden_layers=2, **common)
+    decoder = transformers.BertConfig(
+        num_hidden_layers=1, is_decoder=True, add_cross_attention=True, **common
+    )
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 2, 0, 3
+    hf = transformers.EncoderDecoderModel(config=config).eval()
+    with torch.no_grad():  # layer norms away from their init, so parity tests them too
+        for name, p in hf.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    directory = tmp_path / "hf_encoder_decoder"
+    hf.save_pretrained(directory)
+    return hf, directory
+
+
+def hf_logits(hf, x):
+    t = {k: torch.tensor(np.asarray(v), dtype=torch.long) for k, v in x.items()}
+    with torch.no_grad():
+        return hf(
+            input_ids=t["encoder_token_ids"],
+            attention_mask=t["encoder_padding_mask"],
+            decoder_input_ids=t["decoder_token_ids"],
+            decoder_attention_mask=t["decoder_padding_mask"],
+        ).logits.numpy()
+
+
+def test_parity_with_transformers_encoder_decoder(tmp_path):
+    hf, directory = hf_encoder_decoder(tmp_path)
+    m = kbert.BertSeq2SeqLM.from_preset(directory)
+    assert m.architecture == "bert2bert" and m.decoder_config["num_layers"] == 1
+    assert (m.start_token_id, m.end_token_id, m.pad_token_id) == (2, 3, 0)
+    x = seq2seq_inputs()
+    ref = hf_logits(hf, x)
+    assert np.abs(real(m(x), x) - real(ref, x)).max() <= 1e-5
+    # exported back, transformers computes the same logits
+    export_to_huggingface(m, tmp_path / "exported")
+    again = transformers.EncoderDecoderModel.from_pretrained(tmp_path / "exported").eval()
+    assert np.abs(real(hf_logits(again, x), x) - real(ref, x)).max() <= 1e-5
+
+
+def test_shared_exports_with_both_copies(tmp_path):
+    m = model("shared")
+    export_to_huggingface(m, tmp_path / "exported")
+    hf = transformers.EncoderDecoderModel.from_pretrained(tmp_path / "exported").eval()
+    x = seq2seq_inputs()
+    assert np.abs(real(hf_logits(hf, x), x) - real(m(x), x)).max() <= 1e-5
+    with pytest.raises(ValueError, match="unilm"):
+        export_to_huggingface(model("unilm"), tmp_path / "unilm")
+
+
+def test_warm_start_from_a_bert_directory(tmp_path):
+    keras.utils.set_random_seed(1)
+    backbone = kbert.BertBackbone(**TINY)
+    export_to_huggingface(backbone, tmp_path / "bert")
+    m = kbert.BertSeq2SeqLM.from_preset(
+        tmp_path / "bert", start_token_id=2, end_token_id=3
+    )  # BERT2BERT: both from the checkpoint
+    source = backbone.get_layer("embeddings").token_embedding.embeddings
+    for table in (m.backbone.token_embedding.embeddings, m.decoder_embeddings.token_embedding.embeddings):
+        np.testing.assert_array_equal(np.asarray(table), np.asarray(source))
+    np.testing.assert_array_equal(
+        np.asarray(m.decoder_blocks[1].self_attention.qkv.kernel),
+        np.asarray(backbone.transformer_layers[1].self_attention.qkv.kernel),
+    )
+    rnd = kbert.BertSeq2SeqLM.from_preset(
+        tmp_path / "bert", decoder=None, start_token_id=2, end_token_id=3
+    )  # BERT2Rnd
+    assert np.abs(
+        np.asarray(rnd.decoder_embeddings.token_embedding.embeddings) - np.asarray(source)
+    ).max() > 1e-3
+    shared = kbert.BertSeq2SeqLM.from_preset(
+        tmp_path / "bert", architecture="shared", start_token_id=2, end_token_id=3
+    )
+    np.testing.assert_array_equal(
+        np.asarray(shared.backbone.transformer_layers[0].output_dense.kernel),
+        np.asarray(backbone.transformer_layers[0].output_dense.kernel),
+    )

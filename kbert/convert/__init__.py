@@ -1,5 +1,6 @@
 """Checkpoint interchange: Hugging Face BERT and ALBERT directories and
-BERT EncoderDecoderModel directories (both ways), original TF checkpoints and keras-hub presets (read).
+BERT EncoderDecoderModel directories (both ways), original TF checkpoints
+and keras-hub presets (read).
 
 Importing this package registers each format with `kbert.presets.loader_for`
 (see `kbert.presets.loader` for how to add one).

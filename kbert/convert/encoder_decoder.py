@@ -18,7 +18,7 @@ import numpy as np
 
 from kbert.convert import huggingface as hf
 from kbert.presets.io import PresetError
-from kbert.presets.loader import PresetLoader, TaskHead, register_format
+from kbert.presets.loader import TaskHead, register_format
 from kbert.utils.files import save_safetensors
 
 ENCODER = "encoder."
@@ -30,7 +30,9 @@ CROSS = [
     ("crossattention.output.dense", "cross_attention/output", "linear"),
     ("crossattention.output.LayerNorm", "cross_attention_layer_norm", "norm"),
 ]
-LM_HEAD = [(name, "lm_" + path[len("mlm_") :], kind) for name, path, kind in hf.HEADS["bert"]["mlm"]]
+LM_HEAD = [
+    (name, "lm_" + path[len("mlm_") :], kind) for name, path, kind in hf.HEADS["bert"]["mlm"]
+]
 SEQ2SEQ_CLASS = "BertSeq2SeqLM"
 
 
@@ -104,7 +106,9 @@ def decoder_state_to_hf(model):
     state = {DECODER + "bert." + k: v for k, v in out.items()}
     head = hf.write_table(LM_HEAD, w)
     head["cls.predictions.decoder.bias"] = head["cls.predictions.bias"]
-    head["cls.predictions.decoder.weight"] = state[DECODER + "bert.embeddings.word_embeddings.weight"]
+    head["cls.predictions.decoder.weight"] = state[
+        DECODER + "bert.embeddings.word_embeddings.weight"
+    ]
     state.update({DECODER + k: v for k, v in head.items()})
     return state
 
@@ -229,7 +233,9 @@ class EncoderDecoderLoader(hf.HuggingFaceLoader):
         return hf.backbone_shapes_from_hf(_under(self._read_shapes(), ENCODER))
 
     def backbone_weights(self, config):
-        weights, _ = hf.backbone_weights_from_hf(_under(self.hf_state, ENCODER), config["num_layers"])
+        weights, _ = hf.backbone_weights_from_hf(
+            _under(self.hf_state, ENCODER), config["num_layers"]
+        )
         return weights
 
     def optional_weights(self, weights):

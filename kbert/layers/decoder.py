@@ -63,8 +63,8 @@ def cached_self_attention(layer, inputs, key_cache, value_cache, index, key_mask
     qkv = sublayer_call(layer.qkv, inputs)  # (B, T, 3H)
     query, key, value = _heads(qkv, 3, layer.num_heads, layer.head_dim)  # (B, T, N, D) each
     start = (0, index, 0, 0)
-    key_cache = ops.slice_update(key_cache, ops.cast(key, key_cache.dtype), start)
-    value_cache = ops.slice_update(value_cache, ops.cast(value, value_cache.dtype), start)
+    key_cache = ops.slice_update(key_cache, start, ops.cast(key, key_cache.dtype))
+    value_cache = ops.slice_update(value_cache, start, ops.cast(value, value_cache.dtype))
     mask = AttentionMask(padding=key_mask)
     context = attend(layer, query, key_cache, value_cache, mask, training=False)
     return sublayer_call(layer.output_dense, context), key_cache, value_cache

@@ -25,8 +25,10 @@ Three architectures, one forward each way (teacher-forced, cached):
 """
 
 import keras
+import numpy as np
 from keras import ops
 
+from kbert.generation.runner import decoding_options, generate_ids
 from kbert.layers import BertEmbeddings
 from kbert.layers.decoder import TransformerDecoderBlock, block_call_cached
 from kbert.layers.heads import MaskedLMHead
@@ -35,6 +37,7 @@ from kbert.models.preset_io import BACKBONE_OVERRIDES, directory_preprocessor, h
 from kbert.models.pretrainer import _masked_lm_sums
 from kbert.models.task import Task
 from kbert.presets.io import resolve_preset
+from kbert.utils import checks
 
 ARCHITECTURES = ("bert2bert", "shared", "unilm")
 _SAME = "same"  # from_preset's decoder: the encoder's preset
@@ -151,11 +154,13 @@ class TargetPart(keras.layers.Layer):
 
 
 def _token_id(tokenizer, token):
-    vocabulary = getattr(tokenizer, "vocabulary", None)
-    if vocabulary is None:
+    """The id of `token` in the tokenizer's vocabulary, or None."""
+    if tokenizer is None:
         return None
-    index = {t: i for i, t in enumerate(vocabulary)} if isinstance(vocabulary, list) else None
-    return index.get(token) if index is not None else vocabulary.get(token)
+    try:
+        return tokenizer.token_to_id(token)
+    except KeyError:
+        return None
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -223,7 +228,9 @@ class BertSeq2SeqLM(Task):
         if architecture not in ARCHITECTURES:
             raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
         if not isinstance(backbone, BertBackbone):
-            raise ValueError(f"backbone must be a kbert.BertBackbone, got {type(backbone).__name__}")
+            raise ValueError(
+                f"backbone must be a kbert.BertBackbone, got {type(backbone).__name__}"
+            )
         decoder_blocks = backbone.block_type == "bert_decoder"
         if architecture == "shared" and not decoder_blocks:
             raise ValueError(
@@ -296,7 +303,9 @@ class BertSeq2SeqLM(Task):
         )
 
         # === Functional model ===
-        inputs = {name: keras.Input(shape=(None,), dtype="int32", name=name) for name in INPUT_NAMES}
+        inputs = {
+            name: keras.Input(shape=(None,), dtype="int32", name=name) for name in INPUT_NAMES
+        }
         if architecture == "unilm":
             row = UniLMPacking(dtype=policy, name="unilm_packing")(inputs)
             x = embeddings(row["token_ids"], row["segment_ids"], position_ids=row["position_ids"])
@@ -389,16 +398,154 @@ class BertSeq2SeqLM(Task):
     def token_inputs(self):
         return INPUT_NAMES
 
-    # --- cached decoding (see `kbert.generation`) --------------------------
+    # --- generation ------------------------------------------------------
+
+    def generate(
+        self,
+        inputs,
+        max_length=20,
+        num_beams=1,
+        do_sample=False,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        seed=None,
+        length_penalty=1.0,
+        early_stopping=False,
+        batch_size=None,
+    ):
+        """Decodes from sources with a key/value cache, as transformers'
+        `generate` does: greedy by default, beam search with `num_beams`
+        (`length_penalty`, `early_stopping`), sampling with `do_sample`
+        (`temperature`, `top_k`, `top_p`, `seed`: the same seed, the same
+        output). The loop runs as one compiled program per (batch, source
+        length bucket, options) on JAX and TensorFlow
+        (`kbert.generation.runner`).
+
+        Args:
+            inputs: raw strings (a list, or one str) -> generated strings;
+                or a dict of `encoder_token_ids` and `encoder_padding_mask`
+                (B, S) -> int ids (B, L): the start token, the generated
+                tokens up to and including the end token, then padding.
+            max_length: int. the longest output in decoder tokens, the start
+                token included (transformers' `max_length`).
+            num_beams, do_sample, temperature, top_k, top_p, seed,
+                length_penalty, early_stopping: as in transformers.
+            batch_size: int or None. rows per program call (None: all).
+
+        Example:
+        >>> backbone = kbert.BertBackbone(100, 1, 2, 16, 32, max_sequence_length=32)
+        >>> model = BertSeq2SeqLM(backbone, start_token_id=2, end_token_id=3)
+        >>> x = {"encoder_token_ids": np.array([[2, 7, 9, 3]]),
+        ...      "encoder_padding_mask": np.ones((1, 4), "int32")}
+        >>> ids = model.generate(x, max_length=6)
+        >>> int(ids[0, 0]), ids.shape[1] <= 6
+        (2, True)
+        """
+        strategy, options = decoding_options(
+            num_beams, do_sample, temperature, top_k, top_p, seed, length_penalty, early_stopping
+        )
+        texts = not isinstance(inputs, dict)
+        if texts:
+            x = self._source_ids(inputs)
+        else:
+            missing = [k for k in INPUT_NAMES[:2] if k not in inputs]
+            if missing:
+                raise ValueError(
+                    f"generate takes raw strings or a dict with encoder_token_ids and "
+                    f"encoder_padding_mask; the dict lacks {missing}"
+                )
+            x = {k: np.asarray(inputs[k]) for k in INPUT_NAMES[:2]}
+        self._check_generation(x, max_length)
+        ids = generate_ids(
+            self,
+            x["encoder_token_ids"],
+            x["encoder_padding_mask"],
+            max_length,
+            strategy,
+            options,
+            batch_size=batch_size,
+            max_source_length=self.backbone.max_sequence_length
+            - (max_length if self.architecture == "unilm" else 0),
+        )
+        if not texts:
+            return ids
+        return [self._output_text(row) for row in ids]
+
+    def _source_ids(self, texts):
+        if self.preprocessor is None:
+            raise ValueError(
+                "generate on raw strings needs a preprocessor: attach one "
+                "(model.preprocessor = kbert.BertPreprocessor(...)) or pass encoder ids"
+            )
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        empty = [i for i, t in enumerate(texts) if isinstance(t, str) and not t.strip()]
+        if empty:
+            raise ValueError(
+                f"source texts {empty[:5]} are empty: there is nothing to generate from"
+            )
+        packed = self.preprocessor(texts)
+        return {
+            "encoder_token_ids": np.asarray(packed["token_ids"], "int32"),
+            "encoder_padding_mask": np.asarray(packed["padding_mask"], "int32"),
+        }
+
+    def _output_text(self, row):
+        tokens = [int(t) for t in row[1:]]
+        if self.end_token_id in tokens:
+            tokens = tokens[: tokens.index(self.end_token_id)]
+        return self.preprocessor.tokenizer.detokenize([t for t in tokens if t != self.pad_token_id])
+
+    def _check_generation(self, x, max_length):
+        for name in ("start_token_id", "end_token_id"):
+            if getattr(self, name) is None:
+                raise ValueError(
+                    f"{name} is not set and the preprocessor's vocabulary has no "
+                    f"{'[CLS]' if name == 'start_token_id' else '[SEP]'}; build the model "
+                    f"with {name}=<id>"
+                )
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+            raise ValueError(
+                f"max_length must be an int >= 1 (the start token counts as 1), got {max_length!r}"
+            )
+        limit = (self.decoder_config or self.backbone.get_config())["max_sequence_length"]
+        if self.architecture != "unilm" and max_length > limit:
+            raise ValueError(
+                f"max_length={max_length} exceeds the decoder's {limit} positions; "
+                f"use max_length <= {limit}"
+            )
+        ids, mask = x["encoder_token_ids"], x["encoder_padding_mask"]
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(
+                f"encoder_token_ids {ids.shape} and encoder_padding_mask {mask.shape} must "
+                "be (batch, length) alike"
+            )
+        empty = np.flatnonzero(ids.shape[1] == 0 or ~np.any(mask != 0, axis=1))
+        if len(empty):
+            raise ValueError(
+                f"rows {empty[:5].tolist()} have no source token (padding mask all 0): "
+                "there is nothing to generate from"
+            )
+        if self.architecture == "unilm" and ids.shape[1] + max_length > limit:
+            raise ValueError(
+                f"a unilm row holds the source and the output: {ids.shape[1]} source tokens "
+                f"+ max_length={max_length} exceed max_sequence_length={limit}"
+            )
+        checks.check_token_ids(ids, self.backbone.vocabulary_size, "encoder_token_ids")
+
+    # --- cached decoding (`kbert.generation.runner`) -----------------------
 
     def generation_start(self, encoder_token_ids, encoder_padding_mask, max_length):
-        """The decoding state after reading the source: per-layer key/value
-        caches for `max_length` decoder tokens and, for an encoder-decoder,
-        the cross-attention keys and values of the encoder output."""
-        dtype = self.decoder_embeddings.compute_dtype
-        batch = ops.shape(encoder_token_ids)[0]
+        """(constants, cache) after reading the source: the cache holds
+        per-layer key/value tensors for `max_length` decoder tokens (after
+        the source's, for "unilm"); the constants, the cross-attention keys
+        and values of the encoder output (or the source lengths)."""
         if self.architecture == "unilm":
             return self._unilm_start(encoder_token_ids, encoder_padding_mask, max_length)
+        dtype = self.decoder_embeddings.compute_dtype
+        batch = ops.shape(encoder_token_ids)[0]
         encoded = self.backbone(
             {
                 "token_ids": encoder_token_ids,
@@ -407,16 +554,15 @@ class BertSeq2SeqLM(Task):
             },
             training=False,
         )["sequence_output"]
-        state = {"encoder_padding_mask": encoder_padding_mask, "cross": [], "keys": [], "values": []}
+        constants = {"encoder_padding_mask": encoder_padding_mask, "cross": []}
+        cache = {"keys": [], "values": []}
         for block in self.decoder_blocks:
-            key, value = block.cross_key_values(encoded)
-            state["cross"].append((key, value))
+            constants["cross"].append(block.cross_key_values(encoded))
             heads, size = block.self_attention.num_heads, block.self_attention.head_dim
-            zeros = ops.zeros((batch, max_length, heads, size), dtype)
-            state["keys"].append(zeros)
-            state["values"].append(zeros)
-        state["key_mask"] = ops.zeros((batch, max_length), "int32")
-        return state
+            cache["keys"].append(ops.zeros((batch, max_length, heads, size), dtype))
+            cache["values"].append(ops.zeros((batch, max_length, heads, size), dtype))
+        cache["key_mask"] = ops.zeros((batch, max_length), "int32")
+        return constants, cache
 
     def _unilm_start(self, encoder_token_ids, encoder_padding_mask, max_length):
         # The source's keys and values at every layer fill the first S
@@ -426,58 +572,57 @@ class BertSeq2SeqLM(Task):
         batch, length = ops.shape(encoder_token_ids)[0], ops.shape(encoder_token_ids)[1]
         padding = ops.cast(encoder_padding_mask, "int32")
         positions = ops.maximum(ops.cumsum(padding, axis=1) - 1, 0)
-        x = embeddings(
-            encoder_token_ids, ops.zeros_like(encoder_token_ids), position_ids=positions
-        )
+        x = embeddings(encoder_token_ids, ops.zeros_like(encoder_token_ids), position_ids=positions)
         key_mask = ops.concatenate([padding, ops.zeros((batch, max_length), "int32")], axis=1)
-        state = {"keys": [], "values": [], "key_mask": key_mask}
+        cache = {"keys": [], "values": [], "key_mask": key_mask}
         for block in self.decoder_blocks:
             heads, size = block.self_attention.num_heads, block.self_attention.head_dim
             zeros = ops.zeros((batch, length + max_length, heads, size), dtype)
             x, keys, values = block_call_cached(block, x, zeros, zeros, 0, key_mask)
-            state["keys"].append(keys)
-            state["values"].append(values)
-        state["source_lengths"] = ops.sum(padding, axis=1)  # (B,)
-        state["offset"] = length
-        return state
+            cache["keys"].append(keys)
+            cache["values"].append(values)
+        constants = {"source_lengths": ops.sum(padding, axis=1), "offset": length}
+        return constants, cache
 
-    def generation_step(self, state, token_ids, index):
+    def generation_step(self, constants, cache, token_ids, index):
         """Logits (B, V) for the token after `token_ids` (B, 1), the decoder
-        token at position `index` (a scalar), and the state with its keys
-        and values cached."""
+        token at position `index` (a scalar), and the cache with its keys
+        and values written."""
         unilm = self.architecture == "unilm"
-        offset = state.get("offset", 0) if unilm else 0
-        slot = index + offset
+        slot = index + constants["offset"] if unilm else index
         batch = ops.shape(token_ids)[0]
-        key_mask = ops.slice_update(
-            state["key_mask"], ops.ones((batch, 1), "int32"), (0, slot)
-        )
+        key_mask = ops.slice_update(cache["key_mask"], (0, slot), ops.ones((batch, 1), "int32"))
         if unilm:
-            positions = ops.reshape(state["source_lengths"] + index, (batch, 1))
+            positions = ops.reshape(constants["source_lengths"] + index, (batch, 1))
             segments = ops.ones_like(token_ids)
         else:
-            positions = ops.full((batch, 1), index, "int32")
+            positions = ops.zeros_like(token_ids) + index
             segments = ops.zeros_like(token_ids)
         x = self.decoder_embeddings(token_ids, segments, position_ids=positions)
         keys, values = [], []
         for i, block in enumerate(self.decoder_blocks):
-            cross = None
-            if not unilm:
-                cross = (*state["cross"][i], state["encoder_padding_mask"])
+            cross = None if unilm else (*constants["cross"][i], constants["encoder_padding_mask"])
             x, k, v = block_call_cached(
-                block, x, state["keys"][i], state["values"][i], slot, key_mask, cross
+                block, x, cache["keys"][i], cache["values"][i], slot, key_mask, cross
             )
             keys.append(k)
             values.append(v)
         logits = self.lm_head(x)[:, 0]  # (B, V)
-        return logits, {**state, "keys": keys, "values": values, "key_mask": key_mask}
+        return logits, {"keys": keys, "values": values, "key_mask": key_mask}
+
+    def generation_reorder(self, cache, rows):
+        """The cache with its rows taken in the order `rows` (beam search)."""
+        return {
+            k: [ops.take(t, rows, axis=0) for t in v]
+            if isinstance(v, list)
+            else ops.take(v, rows, axis=0)
+            for k, v in cache.items()
+        }
 
     # --- construction -----------------------------------------------------
 
     @classmethod
-    def from_preset(
-        cls, preset, load_weights=True, architecture=None, decoder=_SAME, **kwargs
-    ):
+    def from_preset(cls, preset, load_weights=True, architecture=None, decoder=_SAME, **kwargs):
         """A seq2seq model from a preset, or warm-started from BERT presets.
 
         A kbert BertSeq2SeqLM preset or a Hugging Face `EncoderDecoderModel`
@@ -549,9 +694,7 @@ class BertSeq2SeqLM(Task):
         if decoder == "same":
             decoder = backbone
         if decoder is not None and "decoder_config" not in kwargs:
-            kwargs["decoder_config"] = {
-                key: decoder.get_config()[key] for key in DECODER_KEYS
-            }
+            kwargs["decoder_config"] = {key: decoder.get_config()[key] for key in DECODER_KEYS}
         model = cls(backbone, preprocessor=preprocessor, architecture=architecture, **kwargs)
         if decoder is not None:
             copy_weights(decoder.get_layer("embeddings"), model.decoder_embeddings)
@@ -564,7 +707,11 @@ def copy_weights(source, target):
     """Copies each variable of `source` into the `target` variable at the
     same path relative to the layer (those `target` alone has keep their
     values); returns the paths copied."""
-    prefix = lambda layer, v: v.path[len(layer.name) + 1 :] if v.path.startswith(layer.name + "/") else v.path  # noqa: E731
+
+    def prefix(layer, variable):
+        own = layer.name + "/"
+        return variable.path[len(own) :] if variable.path.startswith(own) else variable.path
+
     held = {prefix(source, v): v for v in source.weights}
     copied = []
     for variable in target.weights:
@@ -578,4 +725,3 @@ def copy_weights(source, target):
             variable.assign(held[path])
             copied.append(path)
     return copied
-

@@ -88,9 +88,7 @@ def test_unilm_target_sees_source_and_earlier_targets_only():
     source["encoder_token_ids"][0, -1] = 7  # the last source token reaches every target
     assert np.abs(np.asarray(m(source))[0, 0] - base[0, 0]).max() > 1e-4
     # padding changes nothing: the same row with extra padding on both sides
-    padded = {
-        k: np.pad(v, ((0, 0), (0, 2))) for k, v in x.items()
-    }
+    padded = {k: np.pad(v, ((0, 0), (0, 2))) for k, v in x.items()}
     np.testing.assert_allclose(np.asarray(m(padded))[0, :5], base[0], atol=1e-5)
 
 
@@ -167,7 +165,10 @@ def test_warm_start_from_a_bert_directory(tmp_path):
         tmp_path / "bert", start_token_id=2, end_token_id=3
     )  # BERT2BERT: both from the checkpoint
     source = backbone.get_layer("embeddings").token_embedding.embeddings
-    for table in (m.backbone.token_embedding.embeddings, m.decoder_embeddings.token_embedding.embeddings):
+    for table in (
+        m.backbone.token_embedding.embeddings,
+        m.decoder_embeddings.token_embedding.embeddings,
+    ):
         np.testing.assert_array_equal(np.asarray(table), np.asarray(source))
     np.testing.assert_array_equal(
         np.asarray(m.decoder_blocks[1].self_attention.qkv.kernel),
@@ -176,9 +177,12 @@ def test_warm_start_from_a_bert_directory(tmp_path):
     rnd = kbert.BertSeq2SeqLM.from_preset(
         tmp_path / "bert", decoder=None, start_token_id=2, end_token_id=3
     )  # BERT2Rnd
-    assert np.abs(
-        np.asarray(rnd.decoder_embeddings.token_embedding.embeddings) - np.asarray(source)
-    ).max() > 1e-3
+    assert (
+        np.abs(
+            np.asarray(rnd.decoder_embeddings.token_embedding.embeddings) - np.asarray(source)
+        ).max()
+        > 1e-3
+    )
     shared = kbert.BertSeq2SeqLM.from_preset(
         tmp_path / "bert", architecture="shared", start_token_id=2, end_token_id=3
     )
@@ -186,3 +190,26 @@ def test_warm_start_from_a_bert_directory(tmp_path):
         np.asarray(shared.backbone.transformer_layers[0].output_dense.kernel),
         np.asarray(backbone.transformer_layers[0].output_dense.kernel),
     )
+
+
+def hf_generate(hf, x, max_length, **kwargs):
+    with torch.no_grad():
+        return hf.generate(
+            input_ids=torch.tensor(x["encoder_token_ids"], dtype=torch.long),
+            attention_mask=torch.tensor(x["encoder_padding_mask"], dtype=torch.long),
+            max_length=max_length,
+            decoder_start_token_id=2,
+            eos_token_id=3,
+            pad_token_id=0,
+            **kwargs,
+        ).numpy()
+
+
+def test_greedy_ids_match_transformers_generate(tmp_path):
+    hf, directory = hf_encoder_decoder(tmp_path, seed=3)
+    m = kbert.BertSeq2SeqLM.from_preset(directory)
+    x = seq2seq_inputs(batch=4, seed=1)
+    x = {k: x[k] for k in ("encoder_token_ids", "encoder_padding_mask")}
+    ref = hf_generate(hf, x, max_length=12, do_sample=False, num_beams=1)
+    ids = m.generate(x, max_length=12)
+    np.testing.assert_array_equal(ids, ref)

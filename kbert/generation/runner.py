@@ -126,8 +126,8 @@ def generate_ids(
     parts = []
     for start in range(0, rows, batch_size):
         ids, used = fn(
-            encoder_token_ids[start : start + batch_size],
-            encoder_padding_mask[start : start + batch_size],
+            ops.convert_to_tensor(encoder_token_ids[start : start + batch_size]),
+            ops.convert_to_tensor(encoder_padding_mask[start : start + batch_size]),
         )
         parts.append(np.asarray(ops.convert_to_numpy(ids))[:, : int(ops.convert_to_numpy(used))])
     longest = max(p.shape[1] for p in parts)

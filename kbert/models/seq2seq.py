@@ -333,9 +333,6 @@ class BertSeq2SeqLM(Task):
                     encoder_padding_mask=inputs["encoder_padding_mask"],
                 )
         outputs = lm_head(x)
-        self.decoder_embeddings = embeddings
-        self.decoder_blocks = blocks
-        self.lm_head = lm_head
         self._init_task(
             inputs,
             outputs,
@@ -351,6 +348,9 @@ class BertSeq2SeqLM(Task):
             },
             kwargs,
         )
+        self.decoder_embeddings = embeddings
+        self.decoder_blocks = blocks
+        self.lm_head = lm_head
 
     @staticmethod
     def _decoder_config(backbone, decoder_config):

@@ -109,7 +109,8 @@ def uniform_noise(seed, index, shape):
     compiled loops, where a stateful generator would repeat itself."""
     rows, cols = shape
     position = ops.arange(rows, dtype="int32")[:, None] * cols + ops.arange(cols, dtype="int32")
-    h = position * 668265263 + ops.cast(index, "int32") * 374761393 + seed * 1274126177
+    seed_term = (int(seed) * 1274126177 + (1 << 31)) % (1 << 32) - (1 << 31)  # int32 wrap
+    h = position * 668265263 + ops.cast(index, "int32") * 374761393 + seed_term
     h = ops.bitwise_xor(h, _shift(h, 16))
     h = h * _MIX[0]
     h = ops.bitwise_xor(h, _shift(h, 13))

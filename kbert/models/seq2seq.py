@@ -153,16 +153,6 @@ class TargetPart(keras.layers.Layer):
         return (states_shape[0], decoder_token_ids_shape[1], states_shape[2])
 
 
-def _token_id(tokenizer, token):
-    """The id of `token` in the tokenizer's vocabulary, or None."""
-    if tokenizer is None:
-        return None
-    try:
-        return tokenizer.token_to_id(token)
-    except KeyError:
-        return None
-
-
 @keras.saving.register_keras_serializable(package="kbert")
 class BertSeq2SeqLM(Task):
     """BERT for sequence generation: "bert2bert", "shared" (BERTShare) or
@@ -249,10 +239,10 @@ class BertSeq2SeqLM(Task):
                 f"architecture={architecture!r} has none: leave it None"
             )
         tokenizer = getattr(preprocessor, "tokenizer", None)
-        if start_token_id is None:
-            start_token_id = _token_id(tokenizer, "[CLS]")
-        if end_token_id is None:
-            end_token_id = _token_id(tokenizer, "[SEP]")
+        if start_token_id is None and tokenizer is not None:
+            start_token_id = int(tokenizer.cls_id)
+        if end_token_id is None and tokenizer is not None:
+            end_token_id = int(tokenizer.sep_id)
         if architecture == "bert2bert":
             decoder_config = self._decoder_config(backbone, decoder_config)
         policy = backbone.get_layer("embeddings").dtype_policy
@@ -502,9 +492,9 @@ class BertSeq2SeqLM(Task):
         for name in ("start_token_id", "end_token_id"):
             if getattr(self, name) is None:
                 raise ValueError(
-                    f"{name} is not set and the preprocessor's vocabulary has no "
-                    f"{'[CLS]' if name == 'start_token_id' else '[SEP]'}; build the model "
-                    f"with {name}=<id>"
+                    f"{name} is not set (the model has no preprocessor whose "
+                    f"{'[CLS]' if name == 'start_token_id' else '[SEP]'} it defaults to); "
+                    f"build the model with {name}=<id> or with a preprocessor"
                 )
         if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
             raise ValueError(

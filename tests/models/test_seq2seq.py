@@ -9,7 +9,7 @@ from tests import harness
 
 TINY = dict(
     vocabulary_size=61,
-    num_layers=2,
+    num_layers=1,
     num_heads=2,
     hidden_dim=16,
     intermediate_dim=24,
@@ -42,9 +42,9 @@ def real(logits, x):
     return arr(logits)[arr(x["decoder_padding_mask"]).astype(bool)]
 
 
-def model(architecture, seed=0):
+def model(architecture, seed=0, **overrides):
     keras.utils.set_random_seed(seed)
-    backbone = kbert.BertBackbone(**TINY)
+    backbone = kbert.BertBackbone(**{**TINY, **overrides})
     return kbert.BertSeq2SeqLM.from_backbone(
         backbone, architecture, start_token_id=2, end_token_id=3
     )
@@ -81,7 +81,7 @@ def test_shared_encoder_and_decoder_are_the_same_weights():
 
 
 def test_unilm_target_sees_source_and_earlier_targets_only():
-    m = model("unilm")
+    m = model("unilm", initializer_range=0.3)  # outputs that move with their inputs
     x = seq2seq_inputs(batch=1)
     base = arr(m(x))
     later = dict(x, decoder_token_ids=x["decoder_token_ids"].copy())
@@ -176,18 +176,13 @@ def test_warm_start_from_a_bert_directory(tmp_path):
     ):
         np.testing.assert_array_equal(arr(table), arr(source))
     np.testing.assert_array_equal(
-        arr(m.decoder_blocks[1].self_attention.qkv.kernel),
-        arr(backbone.transformer_layers[1].self_attention.qkv.kernel),
+        arr(m.decoder_blocks[0].self_attention.qkv.kernel),
+        arr(backbone.transformer_layers[0].self_attention.qkv.kernel),
     )
     rnd = kbert.BertSeq2SeqLM.from_preset(
         tmp_path / "bert", decoder=None, start_token_id=2, end_token_id=3
     )  # BERT2Rnd
-    assert (
-        np.abs(
-            arr(rnd.decoder_embeddings.token_embedding.embeddings) - arr(source)
-        ).max()
-        > 1e-3
-    )
+    assert np.abs(arr(rnd.decoder_embeddings.token_embedding.embeddings) - arr(source)).max() > 1e-3
     shared = kbert.BertSeq2SeqLM.from_preset(
         tmp_path / "bert", architecture="shared", start_token_id=2, end_token_id=3
     )
@@ -218,3 +213,49 @@ def test_greedy_ids_match_transformers_generate(tmp_path):
     ref = hf_generate(hf, x, max_length=12, do_sample=False, num_beams=1)
     ids = m.generate(x, max_length=12)
     np.testing.assert_array_equal(ids, ref)
+
+
+@pytest.mark.parametrize("architecture", ["bert2bert", "shared", "unilm"])
+def test_cached_greedy_follows_the_teacher_forced_argmax(architecture):
+    m = model(architecture, initializer_range=0.3)
+    x = seq2seq_inputs(batch=3, seed=2)
+    source = {k: x[k] for k in ("encoder_token_ids", "encoder_padding_mask")}
+    ids = m.generate(source, max_length=7)
+    assert ids.shape[1] <= 7 and (ids[:, 0] == 2).all()
+    # each generated token is the argmax of the full forward on the ids before it
+    mask = np.ones_like(ids)
+    for row in range(len(ids)):
+        ended = np.flatnonzero(ids[row] == 3)
+        if len(ended):
+            mask[row, ended[0] + 1 :] = 0
+    logits = arr(m({**source, "decoder_token_ids": ids, "decoder_padding_mask": mask}))
+    expected = logits.argmax(-1)[:, :-1]
+    np.testing.assert_array_equal(
+        np.where(mask[:, 1:] == 1, ids[:, 1:], 0), np.where(mask[:, 1:] == 1, expected, 0)
+    )
+    if architecture == "shared":  # sampling: the same seed, the same ids; top_k=1 is greedy
+        sample = dict(max_length=7, do_sample=True, top_k=1, top_p=0.9, temperature=0.7)
+        np.testing.assert_array_equal(m.generate(source, seed=4, **sample), ids)
+        sample.update(top_k=None, temperature=1.0)
+        a = m.generate(source, seed=5, **sample)
+        np.testing.assert_array_equal(a, m.generate(source, seed=5, **sample))
+
+
+def test_generation_bad_inputs():
+    m = model("bert2bert")
+    x = {
+        "encoder_token_ids": np.array([[2, 5, 3]]),
+        "encoder_padding_mask": np.ones((1, 3), "int32"),
+    }
+    with pytest.raises(ValueError, match="max_length"):
+        m.generate(x, max_length=0)
+    with pytest.raises(ValueError, match="max_length=40 exceeds"):
+        m.generate(x, max_length=40)
+    with pytest.raises(ValueError, match="no source token"):
+        m.generate({**x, "encoder_padding_mask": np.zeros((1, 3), "int32")})
+    with pytest.raises(ValueError, match="preprocessor"):
+        m.generate(["a text"])
+    no_end = kbert.BertSeq2SeqLM(kbert.BertBackbone(**TINY))  # no preprocessor, no ids
+    with pytest.raises(ValueError, match=r"end_token_id is not set.*\[SEP\]"):
+        no_end.generate(x)
+    assert m.generate(x, max_length=1).tolist() == [[2]]

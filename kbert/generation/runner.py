@@ -69,6 +69,9 @@ def _program(model, strategy, options, max_length):
         return programs[key]
 
     def run(encoder_token_ids, encoder_padding_mask):
+        if strategy == "beam":  # each source K times, its beams adjacent
+            encoder_token_ids = ops.repeat(encoder_token_ids, options["num_beams"], axis=0)
+            encoder_padding_mask = ops.repeat(encoder_padding_mask, options["num_beams"], axis=0)
         constants, cache = model.generation_start(
             encoder_token_ids, encoder_padding_mask, max_length
         )

@@ -101,9 +101,10 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
-def hf_encoder_decoder(tmp_path, seed=0):
+def hf_encoder_decoder(tmp_path, seed=0, end_bias=0.0, initializer_range=0.02):
     torch.manual_seed(seed)
     common = dict(
+        initializer_range=initializer_range,
         vocab_size=61,
         hidden_size=16,
         num_attention_heads=2,
@@ -122,6 +123,7 @@ def hf_encoder_decoder(tmp_path, seed=0):
         for name, p in hf.named_parameters():
             if "LayerNorm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+        hf.decoder.cls.predictions.bias[3] += end_bias  # rows that end early
     directory = tmp_path / "hf_encoder_decoder"
     hf.save_pretrained(directory)
     return hf, directory
@@ -206,13 +208,16 @@ def hf_generate(hf, x, max_length, **kwargs):
 
 
 def test_greedy_ids_match_transformers_generate(tmp_path):
-    hf, directory = hf_encoder_decoder(tmp_path, seed=3)
+    hf, directory = hf_encoder_decoder(tmp_path, seed=3, end_bias=0.7, initializer_range=0.2)
     m = kbert.BertSeq2SeqLM.from_preset(directory)
     x = seq2seq_inputs(batch=4, seed=1)
     x = {k: x[k] for k in ("encoder_token_ids", "encoder_padding_mask")}
-    ref = hf_generate(hf, x, max_length=12, do_sample=False, num_beams=1)
-    ids = m.generate(x, max_length=12)
+    ref = hf_generate(hf, x, max_length=10, do_sample=False, num_beams=1)
+    assert len({tuple(row) for row in ref}) > 2  # rows that differ, and end at different steps
+    ids = m.generate(x, max_length=10)
     np.testing.assert_array_equal(ids, ref)
+    # in batches of 3 and 1: the same rows
+    np.testing.assert_array_equal(m.generate(x, max_length=10, batch_size=3), ref)
 
 
 @pytest.mark.parametrize("architecture", ["bert2bert", "shared", "unilm"])
@@ -255,7 +260,25 @@ def test_generation_bad_inputs():
         m.generate({**x, "encoder_padding_mask": np.zeros((1, 3), "int32")})
     with pytest.raises(ValueError, match="preprocessor"):
         m.generate(["a text"])
-    no_end = kbert.BertSeq2SeqLM(kbert.BertBackbone(**TINY))  # no preprocessor, no ids
+    no_end = kbert.BertSeq2SeqLM(kbert.BertBackbone(**TINY), start_token_id=2)  # no end id
     with pytest.raises(ValueError, match=r"end_token_id is not set.*\[SEP\]"):
         no_end.generate(x)
     assert m.generate(x, max_length=1).tolist() == [[2]]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_beams=3),
+        dict(num_beams=2, length_penalty=0.5, early_stopping=True),
+        dict(num_beams=3, length_penalty=2.0, early_stopping="never"),
+    ],
+)
+def test_beam_search_matches_transformers_generate(tmp_path, options):
+    # rows that end at different steps, some at max_length
+    hf, directory = hf_encoder_decoder(tmp_path, seed=3, end_bias=0.7, initializer_range=0.2)
+    m = kbert.BertSeq2SeqLM.from_preset(directory)
+    x = seq2seq_inputs(batch=4, seed=1)
+    x = {k: x[k] for k in ("encoder_token_ids", "encoder_padding_mask")}
+    ref = hf_generate(hf, x, max_length=10, do_sample=False, **options)
+    np.testing.assert_array_equal(m.generate(x, max_length=10, **options), ref)

@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert.data.seq2seq import seq2seq_features
 from kbert.generation.runner import decoding_options, generate_ids
 from kbert.layers import BertEmbeddings
 from kbert.layers.decoder import TransformerDecoderBlock, block_call_cached
@@ -37,6 +38,7 @@ from kbert.models.preset_io import BACKBONE_OVERRIDES, directory_preprocessor, h
 from kbert.models.pretrainer import _masked_lm_sums
 from kbert.models.task import Task
 from kbert.presets.io import resolve_preset
+from kbert.training.raw_text import is_text
 from kbert.utils import checks
 
 ARCHITECTURES = ("bert2bert", "shared", "unilm")
@@ -376,6 +378,51 @@ class BertSeq2SeqLM(Task):
         for extra in self.losses:
             loss = loss + ops.cast(extra, "float32")
         return loss
+
+    def fit(self, x=None, y=None, *args, target_length=None, **kwargs):
+        """Keras `fit` (see `kbert.training.pipeline.PipelineModel.fit`) on
+        (source texts, target texts): `x` the sources, `y` the targets,
+        tokenized with the preprocessor (`kbert.data.seq2seq.seq2seq_features`:
+        labels shifted inside, loss on target tokens only); or on model
+        inputs with the labels (B, T) as `y`. `validation_data` may be
+        (sources, targets) too.
+
+        Args:
+            target_length: int or None. longest decoder row for text
+                targets; None: the preprocessor's sequence_length.
+        """
+        x, y = self.text_pairs(x, y, target_length)
+        validation = kwargs.get("validation_data")
+        if isinstance(validation, tuple) and len(validation) == 2:
+            kwargs["validation_data"] = self.text_pairs(*validation, target_length)
+        return super().fit(x, y, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, *args, target_length=None, **kwargs):
+        """Keras `evaluate`, on (source texts, target texts) as `fit` takes them."""
+        x, y = self.text_pairs(x, y, target_length)
+        return super().evaluate(x, y, *args, **kwargs)
+
+    def text_pairs(self, x, y, target_length=None):
+        """(model inputs, labels) for (source texts, target texts); other
+        inputs unchanged."""
+        if not (is_text(x) and is_text(y)):
+            return x, y
+        if self.preprocessor is None:
+            raise ValueError(
+                f"{type(self).__name__} got raw text but has no preprocessor to tokenize "
+                "it; attach one (model.preprocessor = kbert.BertPreprocessor(...))"
+            )
+        length = self.preprocessor.sequence_length
+        x, y = seq2seq_features(
+            self.preprocessor.tokenizer,
+            [x] if isinstance(x, str) else x,
+            [y] if isinstance(y, str) else y,
+            length,
+            target_length or length,
+            self.start_token_id,
+            self.end_token_id,
+        )
+        return x, y
 
     def input_limits(self):
         limits = super().input_limits()

@@ -282,3 +282,34 @@ def test_beam_search_matches_transformers_generate(tmp_path, options):
     x = {k: x[k] for k in ("encoder_token_ids", "encoder_padding_mask")}
     ref = hf_generate(hf, x, max_length=10, do_sample=False, **options)
     np.testing.assert_array_equal(m.generate(x, max_length=10, **options), ref)
+
+
+VOCAB = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+] + "the cat dog sat ran on a mat . big".split()
+SOURCES = ["the cat sat on a mat", "the dog ran", "a big dog sat", "the cat ran ."] * 2
+TARGETS = ["the cat sat .", "the dog ran .", "a dog sat .", "the cat ran ."] * 2
+
+
+def test_fit_on_text_pairs_and_generate_strings():
+    keras.utils.set_random_seed(0)
+    preprocessor = kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), sequence_length=12)
+    backbone = kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)})
+    m = kbert.BertSeq2SeqLM.from_backbone(backbone, "unilm", preprocessor=preprocessor)
+    assert (m.start_token_id, m.end_token_id) == (2, 3)  # [CLS], [SEP]
+    x, y = m.text_pairs(SOURCES[:2], TARGETS[:2])
+    assert x["decoder_token_ids"][0].tolist() == [2, 5, 6, 8, 13]  # [CLS] the cat sat .
+    assert y[0].tolist() == [5, 6, 8, 13, 3]  # shifted, [SEP] last
+    assert x["decoder_padding_mask"][1].tolist() == [1, 1, 1, 1, 1]
+    m.compile(learning_rate=3e-3)
+    history = m.fit(SOURCES, TARGETS, batch_size=4, epochs=4, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    assert m.evaluate(SOURCES, TARGETS, verbose=0) == pytest.approx(history["loss"][-1], rel=0.5)
+    out = m.generate(SOURCES[:2], max_length=6)
+    assert isinstance(out, list) and len(out) == 2 and all(isinstance(t, str) for t in out)
+    with pytest.raises(ValueError, match="empty"):
+        m.generate(["  "])

@@ -759,6 +759,8 @@ def copy_weights(source, target):
                     f"cannot warm-start {variable.path} {tuple(variable.shape)} from "
                     f"{held[path].path} {tuple(held[path].shape)}: the sizes differ"
                 )
-            variable.assign(held[path])
+            # through the host: on JAX an assigned variable would share the
+            # source's buffer, which a training step donates twice
+            variable.assign(ops.convert_to_numpy(held[path]))
             copied.append(path)
     return copied

@@ -313,3 +313,18 @@ def test_fit_on_text_pairs_and_generate_strings():
     assert isinstance(out, list) and len(out) == 2 and all(isinstance(t, str) for t in out)
     with pytest.raises(ValueError, match="empty"):
         m.generate(["  "])
+
+
+def test_warm_started_model_trains():
+    """Warm-started weights are copies: a training step updates the decoder's
+    and the encoder's apart (on JAX a shared buffer would be donated twice)."""
+    keras.utils.set_random_seed(0)
+    m = kbert.BertSeq2SeqLM.from_backbone(
+        kbert.BertBackbone(**TINY), "bert2bert", decoder="same", start_token_id=2, end_token_id=3
+    )
+    x = seq2seq_inputs(batch=4)
+    m.compile(learning_rate=1e-2)
+    m.fit(x, np.roll(x["decoder_token_ids"], -1, axis=1), batch_size=4, epochs=1, verbose=0)
+    encoder = arr(m.backbone.token_embedding.embeddings)
+    decoder = arr(m.decoder_embeddings.token_embedding.embeddings)
+    assert np.abs(encoder - decoder).max() > 1e-4

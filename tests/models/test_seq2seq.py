@@ -62,7 +62,8 @@ def test_round_trips(architecture, tmp_path):
     assert tuple(out.shape) == (3, 5, TINY["vocabulary_size"])
     assert keras.backend.standardize_dtype(out.dtype) == "float32"
     harness.check_config_round_trip(m)
-    harness.check_eager_vs_compiled(m, x)
+    if architecture == "bert2bert":  # one compiled predict is enough
+        harness.check_eager_vs_compiled(m, x)
     harness.check_keras_round_trip(m, x, tmp_path)
     directory = harness.check_preset_round_trip(m, x, tmp_path)
     assert kbert.BertSeq2SeqLM.from_preset(directory).architecture == architecture
@@ -299,7 +300,11 @@ def test_fit_on_text_pairs_and_generate_strings():
     keras.utils.set_random_seed(0)
     preprocessor = kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), sequence_length=12)
     backbone = kbert.BertBackbone(**{**TINY, "vocabulary_size": len(VOCAB)})
-    m = kbert.BertSeq2SeqLM.from_backbone(backbone, "unilm", preprocessor=preprocessor)
+    # warm-started: the decoder's weights are copies of the encoder's (on JAX a
+    # shared buffer would be donated twice by the training step)
+    m = kbert.BertSeq2SeqLM.from_backbone(
+        backbone, "bert2bert", decoder="same", preprocessor=preprocessor
+    )
     assert (m.start_token_id, m.end_token_id) == (2, 3)  # [CLS], [SEP]
     x, y = m.text_pairs(SOURCES[:2], TARGETS[:2])
     assert x["decoder_token_ids"][0].tolist() == [2, 5, 6, 8, 13]  # [CLS] the cat sat .
@@ -313,18 +318,5 @@ def test_fit_on_text_pairs_and_generate_strings():
     assert isinstance(out, list) and len(out) == 2 and all(isinstance(t, str) for t in out)
     with pytest.raises(ValueError, match="empty"):
         m.generate(["  "])
-
-
-def test_warm_started_model_trains():
-    """Warm-started weights are copies: a training step updates the decoder's
-    and the encoder's apart (on JAX a shared buffer would be donated twice)."""
-    keras.utils.set_random_seed(0)
-    m = kbert.BertSeq2SeqLM.from_backbone(
-        kbert.BertBackbone(**TINY), "bert2bert", decoder="same", start_token_id=2, end_token_id=3
-    )
-    x = seq2seq_inputs(batch=4)
-    m.compile(learning_rate=1e-2)
-    m.fit(x, np.roll(x["decoder_token_ids"], -1, axis=1), batch_size=4, epochs=1, verbose=0)
     encoder = arr(m.backbone.token_embedding.embeddings)
-    decoder = arr(m.decoder_embeddings.token_embedding.embeddings)
-    assert np.abs(encoder - decoder).max() > 1e-4
+    assert np.abs(encoder - arr(m.decoder_embeddings.token_embedding.embeddings)).max() > 1e-4

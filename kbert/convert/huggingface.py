@@ -696,6 +696,10 @@ def _bert_export_state(model, task):
     return state, config
 
 
+# kbert class name -> the function writing its whole directory, for model
+# types whose converter is a module of its own (`kbert.convert.encoder_decoder`).
+MODEL_EXPORTERS = {}
+
 # Exporters of other model types, by their backbone's `backbone_type`:
 # (model, its `HFTask`) -> (state dict, config.json).
 EXPORTERS = {}
@@ -725,6 +729,8 @@ def export_to_huggingface(model, directory, preprocessor=None):
             write; defaults to the one attached to `model`.
     """
     name = type(model).__name__
+    if name in MODEL_EXPORTERS:  # a model type of another module (e.g. an encoder-decoder)
+        return MODEL_EXPORTERS[name](model, directory, preprocessor)
     if name not in TASKS:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
     task = TASKS[name]
@@ -757,20 +763,25 @@ def export_to_huggingface(model, directory, preprocessor=None):
         )
     preprocessor = preprocessor or attached
     if preprocessor is not None:
-        tokenizer = preprocessor.tokenizer
-        tokenizer.save(directory)
-        # kbert's own settings (casing, rules, special tokens) read back by
-        # kbert, plus the names transformers' BertTokenizer reads.
-        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-            json.dump(
-                {
-                    **tokenizer.get_config(),
-                    "tokenizer_class": "BertTokenizer",
-                    "do_lower_case": tokenizer.lowercase,
-                    "model_max_length": backbone.max_sequence_length,
-                },
-                f,
-                indent=2,
-                sort_keys=True,
-            )
+        write_tokenizer_files(preprocessor, directory, backbone.max_sequence_length)
     return directory
+
+
+def write_tokenizer_files(preprocessor, directory, max_length):
+    """vocab.txt and tokenizer_config.json of `preprocessor`'s tokenizer."""
+    tokenizer = preprocessor.tokenizer
+    tokenizer.save(directory)
+    # kbert's own settings (casing, rules, special tokens) read back by
+    # kbert, plus the names transformers' BertTokenizer reads.
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                **tokenizer.get_config(),
+                "tokenizer_class": "BertTokenizer",
+                "do_lower_case": tokenizer.lowercase,
+                "model_max_length": max_length,
+            },
+            f,
+            indent=2,
+            sort_keys=True,
+        )

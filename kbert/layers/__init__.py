@@ -4,6 +4,7 @@ from kbert.layers import banded_attention  # noqa: F401  (registers "banded")
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention
+from kbert.layers.decoder import MultiHeadCrossAttention, TransformerDecoderBlock
 from kbert.layers.dense import Dense
 from kbert.layers.dropout import Dropout
 from kbert.layers.embeddings import BertEmbeddings, TokenEmbedding
@@ -20,10 +21,12 @@ __all__ = [
     "Dropout",
     "LayerNorm",
     "MaskedLMHead",
+    "MultiHeadCrossAttention",
     "MultiHeadSelfAttention",
     "NextSentenceHead",
     "Pooler",
     "TokenEmbedding",
+    "TransformerDecoderBlock",
     "TransformerEncoderBlock",
     "canonical_activation",
     "get_activation",

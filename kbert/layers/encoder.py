@@ -156,6 +156,11 @@ class TransformerEncoderBlock(ArgumentsConfig, keras.layers.Layer):
         if self.attention_adapter is not None:
             attended = self.attention_adapter(attended)
         x = run(self.attention_layer_norm, inputs + attended)
+        return self._feed_forward(x, training)
+
+    def _feed_forward(self, x, training):
+        """LN(x + FFN(x)), the block's second half."""
+        run = sublayer_call
         # `training` reaches the Dense layers for float8 quantization, whose
         # delayed scaling updates its scales only in training calls.
         y = run(self.intermediate_dense, x, training=training)

@@ -96,13 +96,18 @@ class AttentionMask:
     @classmethod
     def of(cls, value):
         """An `AttentionMask` from one, from a padding mask (B, S), or from a
-        dict of its parts (`padding_mask` is read as `padding`)."""
+        dict of its parts (`padding_mask` is read as `padding`; with
+        `prefix_lengths`, `causal` defaults to True)."""
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
             parts = dict(value)
             if "padding_mask" in parts:
                 parts["padding"] = parts.pop("padding_mask")
+            if parts.get("prefix_lengths") is not None:
+                # a prefix is a causal mask's: a dict of tensors only (as a
+                # functional graph passes) can describe UniLM's mask
+                parts.setdefault("causal", True)
             return cls(**parts)
         if value is None or len(value.shape) != 2:
             shape = None if value is None else tuple(value.shape)

@@ -7,6 +7,7 @@ from kbert.models.multiple_choice import BertMultipleChoice
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.pretrainer import BertMaskedLM, BertPreTrainer
 from kbert.models.question_answerer import BertQuestionAnswerer
+from kbert.models.seq2seq import BertSeq2SeqLM
 from kbert.models.task import Task
 from kbert.models.text_embedder import BertTextEmbedder
 from kbert.models.token_classifier import BertTokenClassifier
@@ -21,6 +22,7 @@ __all__ = [
     "BertPreTrainer",
     "BertPreprocessor",
     "BertQuestionAnswerer",
+    "BertSeq2SeqLM",
     "BertTextEmbedder",
     "BertTokenClassifier",
     "MobileBertBackbone",

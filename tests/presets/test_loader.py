@@ -16,6 +16,7 @@ def test_formats_are_asked_in_priority_order():
     assert loader.formats() == [
         "keras_hub",
         "tf_checkpoint",
+        "huggingface-encoder-decoder",  # before the BERT format, which takes any model_type
         "huggingface-mobilebert",
         "huggingface",
         "kbert",

@@ -227,6 +227,8 @@ class MobileBertBackbone(BertBackbone):
         # what BertBackbone's methods read
         self.adapter_size = None
         self.share_layers = False
+        self.attention_window = None  # full attention (no sliding-window MobileBERT)
+        self.global_tokens = 1
         self.block_type = BACKBONE_TYPE
         self.block_options = block_options
 

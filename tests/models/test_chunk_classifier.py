@@ -8,7 +8,6 @@ import pytest
 import kbert
 from kbert.data.long_documents import chunk_documents
 from kbert.models.chunk_classifier import ChunkPooling
-from tests import harness
 from tests.harness import TINY
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a movie was good bad plot".split()
@@ -78,15 +77,19 @@ def test_chunk_classifier_fits_and_round_trips(classifier_preset, tmp_path):
     )
     texts = ["the good plot " * 4, "the bad plot " * 4, "good movie", "bad movie"] * 2
     labels = np.array([1, 0, 1, 0] * 2)
+    initial = [np.array(w) for w in model.get_weights()]
     model.compile(learning_rate=1e-2)
-    start = model.evaluate(texts, labels, verbose=0, return_dict=True)["loss"]
-    model.fit(texts, labels, batch_size=4, epochs=15, verbose=0)
-    assert model.evaluate(texts, labels, verbose=0, return_dict=True)["loss"] < start - 0.05
+    history = model.fit(texts, labels, batch_size=4, epochs=2, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
+    changed = [not np.allclose(a, b) for a, b in zip(initial, model.get_weights())]
+    assert all(changed)  # every weight trains: backbone, pooler, head
     before = model.predict(texts, verbose=0)
     model.save_to_preset(tmp_path / "chunks")
     again = kbert.BertChunkClassifier.from_preset(tmp_path / "chunks")
     assert (again.max_chunks, again.pooling) == (3, "max")
     np.testing.assert_allclose(again.predict(texts, verbose=0), before, atol=1e-6)
-    harness.check_keras_round_trip(model, model.preprocess_samples(texts[:2]), tmp_path)
+    model.save(tmp_path / "chunks.keras")
+    restored = keras.saving.load_model(tmp_path / "chunks.keras")
+    np.testing.assert_allclose(restored.predict(texts, verbose=0), before, atol=1e-6)
     with pytest.raises(ValueError, match="pooling"):
         kbert.BertChunkClassifier(model.backbone, 2, pooling="sum")

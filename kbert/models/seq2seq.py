@@ -344,6 +344,11 @@ class BertSeq2SeqLM(Task):
         self.decoder_blocks = blocks
         self.lm_head = lm_head
 
+    def set_backbone_training(self, freeze_backbone):
+        super().set_backbone_training(freeze_backbone)
+        # the pooler is kept (presets and interchange hold it) but unused
+        self.backbone.get_layer("pooler").trainable = False
+
     @staticmethod
     def _decoder_config(backbone, decoder_config):
         if decoder_config is not None and not isinstance(decoder_config, dict):

@@ -13,7 +13,13 @@ from tests.harness import TINY
 
 
 def test_formats_are_asked_in_priority_order():
-    assert loader.formats() == ["keras_hub", "tf_checkpoint", "huggingface", "kbert"]
+    assert loader.formats() == [
+        "keras_hub",
+        "tf_checkpoint",
+        "huggingface-encoder-decoder",  # before the BERT format, which takes any model_type
+        "huggingface",
+        "kbert",
+    ]
 
 
 def test_each_directory_gets_its_format(tmp_path):

@@ -281,9 +281,7 @@ def speed(args):
             "transformers_s": round(hf_best, 3),
             "transformers_new_tokens_per_s": round(tokens / hf_best),
             "speedup": round(hf_best / best, 2),
-            "same_ids": bool(np.array_equal(ours(), theirs().cpu().numpy()))
-            if beams == 1
-            else None,
+            "same_ids": bool(np.array_equal(ids, theirs().cpu().numpy())),
         }
         print(json.dumps({f"generate_beams{beams}": result[f"generate_beams{beams}"]}), flush=True)
     result["decoding_path"] = decoding_path(model)[0]

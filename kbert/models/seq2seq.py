@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert.backend.ops import sublayer_call
 from kbert.data.seq2seq import seq2seq_features
 from kbert.generation.runner import decoding_options, generate_ids
 from kbert.layers import BertEmbeddings
@@ -640,7 +641,9 @@ class BertSeq2SeqLM(Task):
         else:
             positions = ops.zeros_like(token_ids) + index
             segments = ops.zeros_like(token_ids)
-        x = self.decoder_embeddings(token_ids, segments, position_ids=positions)
+        # sublayer_call: each step calls the layers on one token, where Keras'
+        # per-call bookkeeping on torch would cost more than the arithmetic
+        x = sublayer_call(self.decoder_embeddings, token_ids, segments, position_ids=positions)
         keys, values = [], []
         for i, block in enumerate(self.decoder_blocks):
             cross = None if unilm else (*constants["cross"][i], constants["encoder_padding_mask"])
@@ -649,7 +652,7 @@ class BertSeq2SeqLM(Task):
             )
             keys.append(k)
             values.append(v)
-        logits = self.lm_head(x)[:, 0]  # (B, V)
+        logits = sublayer_call(self.lm_head, x)[:, 0]  # (B, V)
         return logits, {"keys": keys, "values": values, "key_mask": key_mask}
 
     def generation_reorder(self, cache, rows):

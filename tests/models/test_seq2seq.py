@@ -352,3 +352,12 @@ def test_minilm_bert2bert_matches_transformers(tmp_path):
     source = {k: x[k] for k in ("encoder_token_ids", "encoder_padding_mask")}
     ref = hf_generate(hf, source, max_length=12, decoder_start_token_id=101, eos_token_id=102)
     np.testing.assert_array_equal(m.generate(source, max_length=12), ref)
+
+
+def test_fit_checks_model_inputs():
+    m = model("bert2bert")
+    x = seq2seq_inputs(batch=2)
+    x["decoder_token_ids"][0, 0] = 500  # past the vocabulary
+    m.compile()
+    with pytest.raises(ValueError, match="decoder_token_ids.*500"):
+        m.fit(x, x["decoder_token_ids"], epochs=1, verbose=0)

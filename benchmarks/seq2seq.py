@@ -8,7 +8,7 @@ kbert against transformers' EncoderDecoderModel on the same weights.
     # 64 new tokens, greedy and 4 beams; then fine-tuning steps
     KERAS_BACKEND=jax python benchmarks/seq2seq.py speed --dtype bfloat16
     # the same at a tiny size, to check the script on a CPU
-    python benchmarks/seq2seq.py speed --tiny
+    python benchmarks/seq2seq.py speed --size tiny
 
 Writes one JSON (`--output`). Speed: each call timed after a first call
 that compiles (reported separately), the best of `--repeats`; transformers
@@ -40,6 +40,7 @@ BASE = dict(
     intermediate_dim=3072,
     max_sequence_length=512,
 )
+MINILM = dict(BASE, num_layers=6, num_heads=12, hidden_dim=384, intermediate_dim=1536)
 TINY = dict(
     vocabulary_size=120,
     num_layers=1,
@@ -63,7 +64,9 @@ def parse_args(argv=None):
     q.add_argument("--transformers", action="store_true", help="add transformers' BERT2BERT")
     q.add_argument("--example-args", default="", help="extra flags for examples/seq2seq.py")
     s = sub.add_parser("speed")
-    s.add_argument("--tiny", action="store_true", help="a tiny model, to check on a CPU")
+    s.add_argument(
+        "--size", default="base", choices=["base", "minilm", "tiny"], help="tiny: to check on a CPU"
+    )
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--source-length", type=int, default=64)
     s.add_argument("--new-tokens", type=int, default=64)
@@ -212,7 +215,7 @@ def speed(args):
     from kbert.convert.huggingface import export_to_huggingface
     from kbert.generation.runner import decoding_path
 
-    sizes = TINY if args.tiny else BASE
+    sizes = {"base": BASE, "minilm": MINILM, "tiny": TINY}[args.size]
     keras.utils.set_random_seed(0)
     dtype = "mixed_bfloat16" if args.dtype == "bfloat16" else "float32"
     backbone = kbert.BertBackbone(**sizes, dropout=0.0, attention_dropout=0.0, dtype=dtype)
@@ -278,9 +281,7 @@ def speed(args):
             "transformers_s": round(hf_best, 3),
             "transformers_new_tokens_per_s": round(tokens / hf_best),
             "speedup": round(hf_best / best, 2),
-            "same_ids": bool(np.array_equal(ours(), theirs().cpu().numpy()))
-            if beams == 1
-            else None,
+            "same_ids": bool(np.array_equal(ids, theirs().cpu().numpy())),
         }
         print(json.dumps({f"generate_beams{beams}": result[f"generate_beams{beams}"]}), flush=True)
     result["decoding_path"] = decoding_path(model)[0]

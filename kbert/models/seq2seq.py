@@ -28,8 +28,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert.backend.ops import sublayer_call
 from kbert.data.seq2seq import seq2seq_features
-from kbert.generation.runner import decoding_options, generate_ids
+from kbert.generation.runner import LENGTH_MULTIPLE, decoding_options, generate_ids
 from kbert.layers import BertEmbeddings
 from kbert.layers.decoder import TransformerDecoderBlock, block_call_cached
 from kbert.layers.heads import MaskedLMHead
@@ -39,6 +40,7 @@ from kbert.models.pretrainer import _masked_lm_sums
 from kbert.models.task import Task
 from kbert.presets.io import resolve_preset
 from kbert.training.raw_text import is_text
+from kbert.training.seq2seq_batches import Seq2SeqBatches
 from kbert.utils import checks
 
 ARCHITECTURES = ("bert2bert", "shared", "unilm")
@@ -344,6 +346,11 @@ class BertSeq2SeqLM(Task):
         self.decoder_blocks = blocks
         self.lm_head = lm_head
 
+    def set_backbone_training(self, freeze_backbone):
+        super().set_backbone_training(freeze_backbone)
+        # the pooler is kept (presets and interchange hold it) but unused
+        self.backbone.get_layer("pooler").trainable = False
+
     @staticmethod
     def _decoder_config(backbone, decoder_config):
         if decoder_config is not None and not isinstance(decoder_config, dict):
@@ -395,7 +402,35 @@ class BertSeq2SeqLM(Task):
         validation = kwargs.get("validation_data")
         if isinstance(validation, tuple) and len(validation) == 2:
             kwargs["validation_data"] = self.text_pairs(*validation, target_length)
+        if self._bucketable(x, y, args, kwargs):
+            # length buckets on both sides (`kbert.training.seq2seq_batches`),
+            # the inputs checked here as the pipeline checks host arrays
+            self._check_input_names(x)
+            self.check_inputs(x)
+            x = Seq2SeqBatches(
+                x,
+                y,
+                batch_size=kwargs.pop("batch_size", None) or 32,
+                shuffle=kwargs.pop("shuffle", True),
+                multiple=LENGTH_MULTIPLE,
+                seed=int(np.random.default_rng().integers(1 << 31)),
+            )
+            y = None
         return super().fit(x, y, *args, **kwargs)
+
+    @staticmethod
+    def _bucketable(x, y, args, kwargs):
+        """Host arrays with labels, and none of the options Keras' own
+        batching needs (validation_split, sample weights, steps_per_epoch)."""
+        if args or kwargs.get("bucket_lengths", True) is False:
+            return False
+        if any(
+            kwargs.get(k) is not None
+            for k in ("validation_split", "sample_weight", "steps_per_epoch", "class_weight")
+        ):
+            return False
+        arrays = isinstance(x, dict) and all(isinstance(x.get(k), np.ndarray) for k in INPUT_NAMES)
+        return arrays and isinstance(y, np.ndarray) and y.ndim == 2
 
     def evaluate(self, x=None, y=None, *args, target_length=None, **kwargs):
         """Keras `evaluate`, on (source texts, target texts) as `fit` takes them."""
@@ -423,6 +458,44 @@ class BertSeq2SeqLM(Task):
             self.end_token_id,
         )
         return x, y
+
+    def check_inputs(self, x):
+        """A ValueError naming the side and the bad value, for host inputs
+        a backend would gather out of range (ids past a vocabulary, masks
+        not 0/1, sides longer than their positions)."""
+        if not isinstance(x, dict) or not all(k in x for k in INPUT_NAMES):
+            return
+        backbone = self.backbone
+        decoder = self.decoder_config or backbone.get_config()
+        source_length = np.shape(x["encoder_token_ids"])[-1]
+        target_limit = decoder["max_sequence_length"]
+        if self.architecture == "unilm":  # one row holds both sides
+            target_limit = max(backbone.max_sequence_length - source_length, 1)
+        sides = [
+            ("encoder", backbone.vocabulary_size, backbone.max_sequence_length),
+            ("decoder", decoder["vocabulary_size"], target_limit),
+        ]
+        for side, vocabulary_size, limit in sides:
+            part = {
+                "token_ids": x[f"{side}_token_ids"],
+                "padding_mask": x[f"{side}_padding_mask"],
+            }
+            try:
+                checks.check_model_inputs(part, vocabulary_size, backbone.type_vocab_size, limit)
+            except ValueError as e:
+                raise ValueError(
+                    f"{side}_token_ids / {side}_padding_mask: {e}"
+                    + (
+                        " (a unilm row holds the source and the target)"
+                        if side == "decoder" and self.architecture == "unilm"
+                        else ""
+                    )
+                ) from None
+
+    def _prepare_inputs(self, x, bucket):
+        x = super()._prepare_inputs(x, bucket)
+        self.check_inputs(x)
+        return x
 
     def input_limits(self):
         limits = super().input_limits()
@@ -635,7 +708,9 @@ class BertSeq2SeqLM(Task):
         else:
             positions = ops.zeros_like(token_ids) + index
             segments = ops.zeros_like(token_ids)
-        x = self.decoder_embeddings(token_ids, segments, position_ids=positions)
+        # sublayer_call: each step calls the layers on one token, where Keras'
+        # per-call bookkeeping on torch would cost more than the arithmetic
+        x = sublayer_call(self.decoder_embeddings, token_ids, segments, position_ids=positions)
         keys, values = [], []
         for i, block in enumerate(self.decoder_blocks):
             cross = None if unilm else (*constants["cross"][i], constants["encoder_padding_mask"])
@@ -644,7 +719,7 @@ class BertSeq2SeqLM(Task):
             )
             keys.append(k)
             values.append(v)
-        logits = self.lm_head(x)[:, 0]  # (B, V)
+        logits = sublayer_call(self.lm_head, x)[:, 0]  # (B, V)
         return logits, {"keys": keys, "values": values, "key_mask": key_mask}
 
     def generation_reorder(self, cache, rows):

@@ -22,6 +22,9 @@ a cached decoder's) is one `register_attention` call and its tests against
 - "keras": `keras.ops.dot_product_attention`, any mask, no dropout.
 - "explicit": the einsum, softmax and dropout written out; any mask, any
   dropout (the paper's recipe: probability dropout 0.1 in training).
+- "banded" (`kbert.layers.banded_attention`, registered on import):
+  sliding-window + global attention over blocks of queries, memory linear
+  in length; first for windowed masks.
 """
 
 import math

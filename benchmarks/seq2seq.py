@@ -58,7 +58,7 @@ def parse_args(argv=None):
     sub = p.add_subparsers(dest="mode", required=True)
     q = sub.add_parser("quality")
     q.add_argument(
-        "--systems", nargs="+", default=["rnd2rnd", "bert2rnd", "bert2bert", "shared", "unilm"]
+        "--systems", nargs="*", default=["rnd2rnd", "bert2rnd", "bert2bert", "shared", "unilm"]
     )
     q.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     q.add_argument("--transformers", action="store_true", help="add transformers' BERT2BERT")

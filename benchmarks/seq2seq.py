@@ -96,10 +96,11 @@ def transformers_bert2bert(example, args, seed):
     tokenizer = transformers.BertTokenizer.from_pretrained(args.preset)
     model = transformers.EncoderDecoderModel.from_encoder_decoder_pretrained(
         args.preset, args.preset
-    ).to(device)
-    model.config.decoder_start_token_id = tokenizer.cls_token_id
-    model.config.eos_token_id = tokenizer.sep_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
+    ).to(device, torch.float32)
+    for config in (model.config, model.generation_config):
+        config.decoder_start_token_id = tokenizer.cls_token_id
+        config.eos_token_id = tokenizer.sep_token_id
+        config.pad_token_id = tokenizer.pad_token_id
     train = example.read_wikisplit(os.path.join(args.data_dir, "tune.tsv"), args.max_train_examples)
     held = example.read_wikisplit(
         os.path.join(args.data_dir, "validation.tsv"), args.max_eval_examples

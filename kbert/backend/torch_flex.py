@@ -47,23 +47,43 @@ no (B, N, T, S) mask exists; the seed is drawn from torch's generator on
 the device per call (a CUDA graph replay draws a new one).
 """
 
+import warnings
+
 import torch
 from keras import ops
 from torch.nn.attention import flex_attention as flex
 
 BLOCK = 128  # FlexAttention's default sparse block size (queries and keys)
 
+# Compilations of one function torch keeps before it runs the function
+# eagerly: each input shape (length buckets) and each variant (with and
+# without dropout, mask parts present) is one, so the first compilation
+# raises torch's limit (8 by default) to at least this.
+RECOMPILE_LIMIT = 64
+
 _KERNEL = {}
 
 
 def kernel():
-    """`flex_attention`, compiled once where it runs on a GPU; the plain
-    function inside a region torch.compile traces, and on a CPU."""
+    """`flex_attention` compiled (`dynamic=False`), made once; the plain
+    function inside a region torch.compile already traces."""
     if torch.compiler.is_compiling():
         return flex.flex_attention
     if "compiled" not in _KERNEL:
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         _KERNEL["compiled"] = torch.compile(flex.flex_attention, dynamic=False)
     return _KERNEL["compiled"]
+
+
+def _reference(*args, **kwargs):
+    """The plain `flex_attention` (torch's reference implementation, what
+    runs on a CPU), without its warning that it is not compiled."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex.flex_attention(*args, **kwargs)
 
 
 def _int_rows(x, batch):
@@ -243,19 +263,27 @@ def attention(query, key, value, mask, scale, dropout=0.0):
     see, with attention dropout `dropout` (a probability) on the
     probabilities."""
     query, key, value = (ops.convert_to_tensor(t) for t in (query, key, value))
-    if not query.is_cuda and any(t.requires_grad for t in (query, key, value)):
-        raise ValueError(
-            'attention_implementation="torch-flex" cannot train on a CPU: torch has no '
-            'FlexAttention backward pass there; use "banded" (what "auto" takes on a CPU)'
-        )
     batch, query_length = query.shape[0], query.shape[1]
     key_length = key.shape[1]
     blocks = block_mask(mask, batch, query_length, key_length, query.device)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, N, L, D)
-    run = kernel() if query.is_cuda else flex.flex_attention
+    run = kernel() if query.is_cuda else _reference
+    try:
+        return _attention(run, q, k, v, blocks, scale, dropout).transpose(1, 2)
+    except NotImplementedError as error:
+        if query.is_cuda or "backward" not in str(error):
+            raise
+        raise ValueError(
+            'attention_implementation="torch-flex" cannot train on a CPU: torch has no '
+            'FlexAttention backward pass there; use "banded" (what "auto" takes on a CPU)'
+        ) from error
+
+
+def _attention(run, q, k, v, blocks, scale, dropout):
+    """(B, N, T, D) -> (B, N, T, D) through the kernel `run`."""
     if not dropout:
-        return run(q, k, v, block_mask=blocks, scale=scale).transpose(1, 2)
-    seed = torch.randint(0, 1 << 30, (), device=query.device, dtype=torch.int32)
+        return run(q, k, v, block_mask=blocks, scale=scale)
+    seed = torch.randint(0, 1 << 30, (), device=q.device, dtype=torch.int32)
     keep = _keep_mod(seed, dropout)
     kept, kept_lse = _with_lse(run, q, k, v, score_mod=keep, block_mask=blocks, scale=scale)
     _, lse = _with_lse(run, q, k, v, block_mask=blocks, scale=scale)  # (B, N, T)
@@ -263,4 +291,4 @@ def attention(query, key, value, mask, scale, dropout=0.0):
     # (L' = -inf) gets 0
     share = torch.exp(kept_lse - torch.where(torch.isinf(lse), 0.0, lse)) / (1.0 - dropout)
     share = torch.where(torch.isinf(kept_lse), 0.0, share)
-    return (kept * share[..., None].to(kept.dtype)).transpose(1, 2)
+    return kept * share[..., None].to(kept.dtype)

@@ -7,7 +7,8 @@ inside the tiles (`kbert.backend.torch_flex`): memory linear in length,
 and the band's work only. It takes any `AttentionMask` on the torch
 backend (padding, segments, causal with a prefix, window, global tokens)
 and attention dropout (computed from two kernel calls: see
-`kbert.backend.torch_flex`). "auto" takes it first on torch with a GPU,
+`kbert.backend.torch_flex`). "auto" takes it first for windowed masks on
+torch with a GPU,
 where the kernel is compiled; on a CPU torch runs FlexAttention's
 reference implementation (slower than "banded", which "auto" keeps there)
 and has no backward pass for it: training on a CPU needs another
@@ -29,8 +30,9 @@ def supports(mask, dtype, rate):
 
 
 def preferred(mask, dtype, rate):
-    """Where "auto" takes it: on a GPU."""
-    return kernels.flex_attention_preferred()
+    """Where "auto" takes it: windowed masks on a GPU (the others go to
+    torch's SDPA kernels)."""
+    return mask.window is not None and kernels.flex_attention_preferred()
 
 
 def flex_attention(query, key, value, mask, scale, dropout):

@@ -54,6 +54,9 @@ from keras import ops
 from torch.nn.attention import flex_attention as flex
 
 BLOCK = 128  # FlexAttention's default sparse block size (queries and keys)
+# Smaller heads are padded with zeros to this size on a GPU (the compiled
+# kernel's matrix products take at least 16 columns).
+MIN_HEAD_DIM = 16
 
 # Compilations of one function torch keeps before it runs the function
 # eagerly: each input shape (length buckets) and each variant (with and
@@ -70,9 +73,9 @@ def kernel():
     if torch.compiler.is_compiling():
         return flex.flex_attention
     if "compiled" not in _KERNEL:
-        import torch._dynamo
+        from torch import _dynamo
 
-        config = torch._dynamo.config
+        config = _dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         _KERNEL["compiled"] = torch.compile(flex.flex_attention, dynamic=False)
     return _KERNEL["compiled"]
@@ -267,9 +270,13 @@ def attention(query, key, value, mask, scale, dropout=0.0):
     key_length = key.shape[1]
     blocks = block_mask(mask, batch, query_length, key_length, query.device)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, N, L, D)
+    depth = q.shape[-1]
+    if query.is_cuda and depth < MIN_HEAD_DIM:
+        # zeros added to every head: the same scores, zero extra output columns
+        q, k, v = (torch.nn.functional.pad(t, (0, MIN_HEAD_DIM - depth)) for t in (q, k, v))
     run = kernel() if query.is_cuda else _reference
     try:
-        return _attention(run, q, k, v, blocks, scale, dropout).transpose(1, 2)
+        return _attention(run, q, k, v, blocks, scale, dropout)[..., :depth].transpose(1, 2)
     except NotImplementedError as error:
         if query.is_cuda or "backward" not in str(error):
             raise

@@ -225,7 +225,9 @@ def test_auto_takes_flex_for_windowed_masks_where_it_is_preferred(monkeypatch):
 
 
 def test_flex_is_refused_off_torch_and_for_training_on_a_cpu():
-    layer = MultiHeadSelfAttention(2, 8, attention_dropout=0.0, attention_implementation="torch-flex")
+    layer = MultiHeadSelfAttention(
+        2, 8, attention_dropout=0.0, attention_implementation="torch-flex"
+    )
     x = np.random.default_rng(0).normal(size=(1, 6, 8)).astype("float32")
     mask = AttentionMask(padding=np.ones((1, 6), "int32"), window=1)
     if keras.backend.backend() != "torch":
@@ -239,7 +241,8 @@ def test_flex_is_refused_off_torch_and_for_training_on_a_cpu():
         layer(x, attention_mask=mask)  # the weights need gradients
 
 
-CONFIG = {**TINY, "num_layers": 2, "max_sequence_length": 300, "dropout": 0.0}
+# two heads of 16: the size the compiled kernel takes without padding
+CONFIG = {**TINY, "num_heads": 2, "max_sequence_length": 300, "dropout": 0.0}
 
 
 def _twin(backbone, **changes):
@@ -263,7 +266,9 @@ def test_a_windowed_backbone_predicts_through_flex():
         return y["sequence_output"] * real, y["pooled_output"]
 
     got = outputs(flex)
-    assert harness.max_abs_diff(got, outputs(_twin(flex, attention_implementation="explicit"))) <= 1e-5
+    assert (
+        harness.max_abs_diff(got, outputs(_twin(flex, attention_implementation="explicit"))) <= 1e-5
+    )
 
 
 @on_torch

@@ -272,24 +272,31 @@ def test_a_windowed_backbone_predicts_through_flex():
 
 
 @on_torch
-@pytest.mark.skipif(not kernels.flex_attention_preferred(), reason="a GPU (compiled kernels)")
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
-def test_a_windowed_classifier_fits_through_flex_on_a_gpu(attention_dropout):
-    """fit on a GPU: "auto" takes "torch-flex", the step is captured as a
-    CUDA graph (compilation happens in the eager warm-up step) and the loss
-    falls; with attention dropout too (two kernel calls)."""
+def test_a_windowed_classifier_fits_through_flex(attention_dropout, cpu_backward, monkeypatch):
+    """fit through "torch-flex", taken by "auto" as on a GPU. On a GPU the
+    step is captured as a CUDA graph (compilation happens in the eager
+    warm-up step) and the loss falls, with attention dropout too (two kernel
+    calls); on a CPU (torch's reference backward, slow: it traces the rule
+    per call) one epoch without dropout gives a finite loss."""
+    gpu = kernels.flex_attention_preferred()
+    if attention_dropout and not gpu:
+        pytest.skip("a GPU: the reference backward is slow")
+    monkeypatch.setattr(kernels, "flex_attention_preferred", lambda: True)
     backbone = kbert.BertBackbone(
-        **CONFIG, attention_dropout=attention_dropout, attention_window=40
+        **{**CONFIG, "num_layers": 1}, attention_dropout=attention_dropout, attention_window=40
     )
     layer = backbone.transformer_layers[0].self_attention
-    mask = kbert.layers.banded_attention.window_mask(np.ones((1, 260), "int32"), 40, 1)
+    mask = kbert.layers.banded_attention.window_mask(np.ones((1, 140), "int32"), 40, 1)
     assert layer.attention_path(training=True, attention_mask=mask) == "torch-flex"
     model = kbert.BertClassifier(backbone, 2)
-    model.compile(learning_rate=1e-3)
-    x = harness.backbone_inputs(batch=8, length=260, vocabulary_size=97)
+    model.compile(learning_rate=3e-3)
+    x = harness.backbone_inputs(batch=4, length=140, vocabulary_size=97)
     y = (x["token_ids"][:, 1] % 2).astype("int32")
-    history = model.fit(x, y, batch_size=4, epochs=6, verbose=0)
+    history = model.fit(x, y, batch_size=4, epochs=6 if gpu else 1, verbose=0)
     losses = history.history["loss"]
-    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-    stats = getattr(model, "cuda_graph_stats", None)
-    assert stats is None or stats["capture_failed"] is None, stats
+    assert np.all(np.isfinite(losses)), losses
+    if gpu:
+        assert losses[-1] < losses[0], losses
+        assert model.cuda_graph_stats["capture_failed"] is None, model.cuda_graph_stats
+        assert model.cuda_graph_stats["replays"] > 0, model.cuda_graph_stats

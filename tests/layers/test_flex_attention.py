@@ -111,7 +111,7 @@ def cpu_backward(monkeypatch):
 def _grads(output, inputs, weights):
     import torch
 
-    return torch.autograd.grad((output * weights).sum(), inputs)
+    return torch.autograd.grad((output.cpu() * weights).sum(), inputs)
 
 
 @on_torch
@@ -150,8 +150,9 @@ def test_flex_dropout_is_dropout_on_the_probabilities(cpu_backward):
     inputs = _qkv(rng, length, grad=True)
     torch.manual_seed(11)
     got = torch_flex.attention(*inputs, mask, 0.5, dropout=rate)
-    torch.manual_seed(11)
-    seed = torch.randint(0, 1 << 30, (), dtype=torch.int32)
+    torch.manual_seed(11)  # the seed the call drew, on its device
+    seed = torch.randint(0, 1 << 30, (), dtype=torch.int32, device=got.device).cpu()
+    got = got.cpu()
     index = torch.meshgrid(*(torch.arange(n) for n in (2, 2, length, length)), indexing="ij")
     keep = torch_flex._keep_mod(seed, rate)(torch.zeros(2, 2, length, length), *index) == 0
     assert abs(float(keep.float().mean()) - (1 - rate)) < 0.01

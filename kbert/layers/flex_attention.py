@@ -8,11 +8,10 @@ and the band's work only. It takes any `AttentionMask` on the torch
 backend (padding, segments, causal with a prefix, window, global tokens)
 and attention dropout (computed from two kernel calls: see
 `kbert.backend.torch_flex`). "auto" takes it first for windowed masks on
-torch with a GPU,
-where the kernel is compiled; on a CPU torch runs FlexAttention's
-reference implementation (slower than "banded", which "auto" keeps there)
-and has no backward pass for it: training on a CPU needs another
-implementation.
+torch with a GPU, where the kernel is compiled; on a CPU torch runs
+FlexAttention's reference implementation (slower than "banded", which
+"auto" keeps there) and has no backward pass for it: training on a CPU
+needs another implementation.
 
 A query that sees no key (only padding can be one) gets zeros.
 """

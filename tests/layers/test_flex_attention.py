@@ -97,6 +97,28 @@ def test_flex_equals_explicit_on_random_masks(case):
     np.testing.assert_allclose(got[rows], want[rows], atol=1e-5, err_msg=case)
 
 
+@on_torch
+def test_flex_takes_queries_and_keys_of_different_lengths():
+    """Cross-attention (padding of the other sequence's keys) and cached
+    decoding (causal: the queries are the last T of the S positions)."""
+    import torch
+
+    rng = np.random.default_rng(4)
+    q = torch.tensor(rng.normal(size=(2, 5, 2, 4)).astype("float32"))
+    k, v = (torch.tensor(rng.normal(size=(2, 140, 2, 4)).astype("float32")) for _ in range(2))
+    padding = (np.arange(140)[None] < np.array([[140], [70]])).astype("int32")
+    flex = attention_lib.ATTENTION_IMPLEMENTATIONS["torch-flex"]
+    explicit = attention_lib.ATTENTION_IMPLEMENTATIONS["explicit"]
+    for mask in (
+        AttentionMask(padding=padding),
+        AttentionMask(padding=padding, causal=True),
+        AttentionMask(padding=padding, causal=True, window=80),  # every query sees a key
+    ):
+        got = keras.ops.convert_to_numpy(flex.attend(q, k, v, mask, 0.5, NO_DROPOUT))
+        want = keras.ops.convert_to_numpy(explicit.attend(q, k, v, mask, 0.5, NO_DROPOUT))
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=repr(mask))
+
+
 @pytest.fixture
 def cpu_backward(monkeypatch):
     """torch refuses FlexAttention's backward on a CPU in the public

@@ -178,6 +178,14 @@ def test_flex_dropout_is_dropout_on_the_probabilities(cpu_backward):
     index = torch.meshgrid(*(torch.arange(n) for n in (2, 2, length, length)), indexing="ij")
     keep = torch_flex._keep_mod(seed, rate)(torch.zeros(2, 2, length, length), *index) == 0
     assert abs(float(keep.float().mean()) - (1 - rate)) < 0.01
+    flat = keep.float()
+    for a, b in [  # neighbouring keys, queries, heads, rows: independent draws
+        (flat[..., 1:], flat[..., :-1]),
+        (flat[:, :, 1:], flat[:, :, :-1]),
+        (flat[:, 1], flat[:, 0]),
+        (flat[1], flat[0]),
+    ]:
+        assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 0.03
     q, k, v = inputs
     allowed = torch.tensor(rules(parts, length))[:, None]  # (B, 1, T, S)
     scores = torch.einsum("btnd,bsnd->bnts", q, k) * 0.5

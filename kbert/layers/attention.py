@@ -27,7 +27,8 @@ a cached decoder's) is one `register_attention` call and its tests against
   in length; first for windowed masks.
 - "torch-flex" (`kbert.layers.flex_attention`, registered on import):
   torch's FlexAttention over the mask description, any mask, dropout from
-  two kernel calls; first in "auto" on torch with a GPU.
+  two kernel calls; first in "auto" for windowed masks on torch with a
+  GPU.
 """
 
 import math

@@ -11,7 +11,10 @@ random weights and a two-class head, batch `--batch` (2), bf16 compute
 (`mixed_bfloat16` in kbert, `torch.autocast` for transformers), window 512
 with [CLS] global, attention dropout `--attention-dropout`.
     kbert-jax, kbert-torch  BertClassifier(attention_window=512), `predict_on_batch`
-                            (forward) and `train_on_batch` (AdamW step)
+                            (forward) and `train_on_batch` (AdamW step); the attention
+                            implementation `--attention-implementation` ("auto": on
+                            torch with a GPU "torch-flex", elsewhere "banded"), the one
+                            that ran reported as attention_path / train_attention_path
     longformer              LongformerForSequenceClassification, attention_window 512
     bigbird                 BigBirdForSequenceClassification, block_sparse, block 64,
                             3 random blocks
@@ -43,6 +46,11 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attention-dropout", type=float, default=0.0)
+    p.add_argument(
+        "--attention-implementation",
+        default="auto",
+        help='kbert engines: "auto", "torch-flex", "banded", ... (the one that ran is reported)',
+    )
     p.add_argument("--modes", nargs="+", default=["forward", "train"])
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test)")
     p.add_argument("--in-process", action="store_true", help="one engine, this process")
@@ -98,16 +106,22 @@ def measure_kbert(args, length):
         max_sequence_length=length,
         attention_dropout=args.attention_dropout,
         attention_window=s["window"],
+        attention_implementation=args.attention_implementation,
     )
     model = kbert.BertClassifier(backbone, 2)
     ids, segments, padding, labels = _inputs(args, length, s["vocabulary"])
     x = {"token_ids": ids, "segment_ids": segments, "padding_mask": padding}
     mask = kbert.layers.banded_attention.window_mask(padding, s["window"], 1)
-    path = backbone.transformer_layers[0].self_attention.attention_path(
-        attention_mask=mask, dtype=backbone.transformer_layers[0].compute_dtype
+    layer = backbone.transformer_layers[0]
+    path, train_path = (
+        layer.self_attention.attention_path(
+            training, attention_mask=mask, dtype=layer.compute_dtype
+        )
+        for training in (False, True)
     )
     sync, peak, reset = _device_tools(backend)
     out = {"engine": f"kbert-{backend}", "length": length, "attention_path": path}
+    out["train_attention_path"] = train_path
     if "forward" in args.modes:
         reset()
         seconds = _timed(lambda: model.predict_on_batch(x), sync, args)
@@ -258,6 +272,7 @@ def main(argv=None):
             command += ["--engines", engine, "--lengths", str(length), "--batch", str(args.batch)]
             command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             command += ["--attention-dropout", str(args.attention_dropout), "--modes", *args.modes]
+            command += ["--attention-implementation", args.attention_implementation]
             command += ["--tiny"] if args.tiny else []
             env = dict(os.environ, KERAS_BACKEND=backend)
             done = subprocess.run(command, env=env, capture_output=True, text=True)

@@ -21,6 +21,8 @@ The engines:
   synchronisation; replayed as a CUDA graph on a GPU).
 - `torch_triton`: the torch backend's Adam update as a Triton kernel on a
   GPU.
+- `torch_flex`: torch's FlexAttention over kbert's mask descriptions (the
+  "torch-flex" attention implementation).
 - `jax_compile`: a JAX `fit`'s batch shapes compiled ahead, in background
   threads, on a GPU or TPU.
 - `tensorflow`: tf.distribute helpers (replica sums, multi-worker logs).

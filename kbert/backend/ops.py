@@ -41,6 +41,9 @@ table (the layer chooses among them and reports which ran):
   `torch_step.segments_apply`). `keras.ops.dot_product_attention` reaches
   the same kernel but first copies Q, K and V and turns the mask into a
   float bias.
+- `flex_attention`: torch's FlexAttention (`torch_flex`): any mask
+  description as a per-pair rule plus a block structure built from the
+  description, the kernel compiled once on a GPU.
 
 `fused_gelu(x, approximate)`: on JAX x (1 + erf(x / sqrt 2)) / 2 in float32,
 as torch computes it (`jax.nn.gelu`'s erfc form expands to two rational
@@ -275,6 +278,23 @@ def torch_sdpa(query, key, value, keep, scale, dropout=0.0, padding_mask=None):
     `torch_ops.segment_attention`: FlashAttention over variable-length
     segments."""
     return torch_ops.sdpa(query, key, value, keep, scale, dropout, padding_mask=padding_mask)
+
+
+def flex_attention(query, key, value, mask, scale, dropout=0.0):
+    """query (B, T, N, D), key/value (B, S, N, D) -> (B, T, N, D): torch's
+    FlexAttention over the keys the `AttentionMask` `mask` lets each query
+    see, with attention dropout of probability `dropout`
+    (`torch_flex.attention`; torch only)."""
+    from kbert.backend import torch_flex
+
+    return torch_flex.attention(query, key, value, mask, scale, dropout)
+
+
+def flex_attention_preferred():
+    """Whether FlexAttention is the fast way to compute a windowed mask
+    here: torch with a GPU (compiled kernels; on a CPU torch runs its
+    reference implementation)."""
+    return backend.is_torch() and backend.on_accelerator()
 
 
 def fused_embedding_sum(tokens, positions, segments, segment_ids):

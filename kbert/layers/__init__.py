@@ -1,6 +1,9 @@
 """Backend-agnostic BERT building blocks (keras + keras.ops only)."""
 
-from kbert.layers import banded_attention  # noqa: F401  (registers "banded")
+from kbert.layers import (
+    banded_attention,  # noqa: F401  (registers "banded")
+    flex_attention,  # noqa: F401  (registers "torch-flex")
+)
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.adapters import BottleneckAdapter, train_only_adapters
 from kbert.layers.attention import MultiHeadSelfAttention

@@ -25,6 +25,10 @@ a cached decoder's) is one `register_attention` call and its tests against
 - "banded" (`kbert.layers.banded_attention`, registered on import):
   sliding-window + global attention over blocks of queries, memory linear
   in length; first for windowed masks.
+- "torch-flex" (`kbert.layers.flex_attention`, registered on import):
+  torch's FlexAttention over the mask description, any mask, dropout from
+  two kernel calls; first in "auto" for windowed masks on torch with a
+  GPU.
 """
 
 import math
@@ -47,12 +51,15 @@ class AttentionImplementation:
     dropout)` -> (B, T, N, D) for query (B, T, N, D) and key/value
     (B, S, N, D), `mask` an `AttentionMask` and `dropout` an
     `AttentionDropout` (rate 0 outside training); `supports(mask, dtype,
-    rate)` says whether it computes that call exactly."""
+    rate)` says whether it computes that call exactly; `prefer(mask, dtype,
+    rate)`, if given, whether "auto" takes it for a call it supports (an
+    implementation exact everywhere but fast only on some devices)."""
 
-    def __init__(self, name, attend, supports):
+    def __init__(self, name, attend, supports, prefer=None):
         self.name = name
         self.attend = attend
         self.supports = supports
+        self.prefer = prefer
 
     def __repr__(self):
         return f"AttentionImplementation({self.name!r})"
@@ -73,12 +80,13 @@ ATTENTION_IMPLEMENTATIONS = {}
 AUTO_ORDER = ["jax-cudnn-flash", "torch-sdpa", "keras", "explicit"]
 
 
-def register_attention(name, attend, supports, auto_position=None):
+def register_attention(name, attend, supports, auto_position=None, prefer=None):
     """Adds an implementation to the table; with `auto_position`, also to
-    "auto"'s order at that index (None: only chosen by name)."""
+    "auto"'s order at that index (None: only chosen by name); with
+    `prefer`, "auto" passes it over for the calls `prefer` declines."""
     if name == "auto":
         raise ValueError('"auto" is not a name an implementation can take')
-    ATTENTION_IMPLEMENTATIONS[name] = AttentionImplementation(name, attend, supports)
+    ATTENTION_IMPLEMENTATIONS[name] = AttentionImplementation(name, attend, supports, prefer)
     if auto_position is not None and name not in AUTO_ORDER:
         AUTO_ORDER.insert(auto_position, name)
     return ATTENTION_IMPLEMENTATIONS[name]
@@ -91,7 +99,9 @@ def select_implementation(name, mask, dtype, rate):
     if name == "auto":
         for candidate in AUTO_ORDER:
             implementation = ATTENTION_IMPLEMENTATIONS.get(candidate)
-            if implementation is not None and implementation.supports(mask, dtype, rate):
+            if implementation is None or not implementation.supports(mask, dtype, rate):
+                continue
+            if implementation.prefer is None or implementation.prefer(mask, dtype, rate):
                 return implementation
         raise ValueError(f"no attention implementation supports {mask!r}")  # "explicit" does
     check_implementation_name(name)

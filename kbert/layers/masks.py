@@ -25,7 +25,8 @@ when:
 A query that would see no key sees every key instead: a softmax over
 nothing is NaN, and such queries are padding, whose outputs are unspecified
 (a real token always sees itself); implementations that never form the
-whole row ("banded") give these queries some finite output instead.
+whole row ("banded", "torch-flex") give these queries some finite output
+instead.
 `max_global` bounds the global tokens of a row, a static size for
 implementations that gather them.
 

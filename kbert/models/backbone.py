@@ -184,11 +184,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         attention_implementation: str. "auto" (the fastest implementation
             that can take each call) or a name in
             `kbert.layers.attention.ATTENTION_IMPLEMENTATIONS` ("explicit",
-            "keras", "torch-sdpa", "jax-cudnn-flash", "banded").
+            "keras", "torch-sdpa", "jax-cudnn-flash", "banded", "torch-flex").
         attention_window: int or None. sliding-window attention
             (Longformer's): each token sees `attention_window // 2` tokens
-            on each side, in memory linear in length ("banded"); None: full
-            attention.
+            on each side, in memory linear in length ("banded"; on torch
+            with a GPU "torch-flex"); None: full attention.
         global_tokens: int. with `attention_window`, the first this many
             tokens of each row see and are seen by every token (1: [CLS]).
         dtype: str or `keras.DTypePolicy`. e.g. "float32", "mixed_bfloat16".

@@ -106,7 +106,8 @@ def test_every_implementation_equals_explicit_on_random_masks():
             )
             checked.add(name)
     backend = keras.backend.backend()
-    expected = {"explicit", "keras", "banded"} | ({"torch-sdpa"} if backend == "torch" else set())
+    expected = {"explicit", "keras", "banded"}
+    expected |= {"torch-sdpa", "torch-flex"} if backend == "torch" else set()
     assert checked >= expected
 
 

@@ -1,4 +1,5 @@
-"""Metrics of generated text: SARI, BLEU (sacrebleu) and exact match.
+"""Metrics of generated text: SARI, BLEU (sacrebleu), ROUGE (rouge-score)
+and exact match.
 
 SARI (Xu et al., 2016) scores an output against its source and references
 by the n-grams (n = 1..4) it keeps, deletes and adds: the mean of the keep
@@ -91,6 +92,32 @@ def bleu(outputs, references):
     import sacrebleu  # the `metrics` extra
 
     return sacrebleu.corpus_bleu(list(outputs), [list(references)]).score
+
+
+def rouge(outputs, references, types=("rouge1", "rouge2", "rougeL")):
+    """{type: mean F-measure x 100} of outputs against one reference each,
+    with Google's `rouge-score` package (Porter stemming, as the summarisation
+    papers report it).
+
+    Example:
+    >>> rouge(["the cat sat"], ["the cat sat"])["rouge2"]
+    100.0
+    """
+    from rouge_score import rouge_scorer  # the `metrics` extra
+
+    outputs, references = list(outputs), list(references)
+    if len(outputs) != len(references) or not outputs:
+        raise ValueError(
+            f"rouge needs as many outputs as references, at least one: got "
+            f"{len(outputs)} and {len(references)}"
+        )
+    scorer = rouge_scorer.RougeScorer(list(types), use_stemmer=True)
+    totals = dict.fromkeys(types, 0.0)
+    for output, reference in zip(outputs, references):
+        scores = scorer.score(reference, output)  # (target, prediction)
+        for name in types:
+            totals[name] += scores[name].fmeasure
+    return {name: 100.0 * total / len(outputs) for name, total in totals.items()}
 
 
 def exact_match(outputs, references):

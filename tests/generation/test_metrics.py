@@ -1,6 +1,6 @@
 import pytest
 
-from kbert.generation.metrics import bleu, exact_match, sari, sari_sentence
+from kbert.generation.metrics import bleu, exact_match, rouge, sari, sari_sentence
 
 SOURCE = "About 95 species are currently accepted ."
 REFERENCES = [
@@ -32,3 +32,15 @@ def test_corpus_metrics():
     assert bleu(["the cat sat on the mat"], ["the cat sat on the mat"]) == pytest.approx(100.0)
     with pytest.raises(ValueError, match="as many"):
         sari([SOURCE], outputs, [REFERENCES])
+
+
+def test_rouge_counts_overlapping_ngrams_and_the_longest_common_subsequence():
+    pytest.importorskip("rouge_score")
+    # 5 of 6 words shared; bigrams the-cat, on-the, the-mat of 5; LCS "the cat on the mat"
+    scores = rouge(["the cat is on the mat", "a dog"], ["the cat sat on the mat", "a dog"])
+    assert scores["rouge1"] == pytest.approx((100 * 5 / 6 + 100) / 2)
+    assert scores["rouge2"] == pytest.approx((60.0 + 100) / 2)
+    assert scores["rougeL"] == pytest.approx((100 * 5 / 6 + 100) / 2)
+    assert rouge(["completely different"], ["the cat"], types=("rouge1",)) == {"rouge1": 0.0}
+    with pytest.raises(ValueError, match="as many"):
+        rouge(["a"], ["a", "b"])

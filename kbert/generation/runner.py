@@ -3,7 +3,9 @@ with a cache, one compiled program per (batch, source length, options).
 
 The model supplies `generation_start(encoder_token_ids,
 encoder_padding_mask, max_length) -> (constants, cache)` and
-`generation_step(constants, cache, token_ids, index) -> (logits, cache)`,
+`generation_step(constants, cache, token_ids, index) -> (logits, cache)`
+(`index` a scalar tensor; on torch the step runs once per token, replayed
+as a CUDA graph on a GPU: `kbert.backend.torch_decoding`),
 and the token ids `start_token_id`, `end_token_id`, `pad_token_id`.
 """
 
@@ -12,7 +14,7 @@ import weakref
 import numpy as np
 from keras import ops
 
-from kbert.backend.decoding import compile_decoding
+from kbert.backend.decoding import compile_decoding, decoding_path_name
 from kbert.generation import beam, search
 
 # model -> {program key: (compiled function, path)}; dropped with the model
@@ -76,29 +78,28 @@ def _program(model, strategy, options, max_length):
             encoder_token_ids, encoder_padding_mask, max_length
         )
 
-        def step(cache, token_ids, index):
-            return model.generation_step(constants, cache, token_ids, index)
-
         batch = ops.shape(encoder_token_ids)[0]
         start = ops.full((batch,), model.start_token_id, "int32")
         ids = (model.end_token_id, model.pad_token_id)
+        step, reorder = model.generation_step, model.generation_reorder
         if strategy == "beam":
             return beam.beam_search(
-                step, cache, start, max_length, *ids, reorder=model.generation_reorder, **options
+                step, constants, cache, start, max_length, *ids, reorder=reorder, **options
             )
         if strategy == "sample":
-            return search.sample_search(step, cache, start, max_length, *ids, **options)
-        return search.greedy_search(step, cache, start, max_length, *ids)
+            return search.sample_search(step, constants, cache, start, max_length, *ids, **options)
+        return search.greedy_search(step, constants, cache, start, max_length, *ids)
 
     programs[key] = compile_decoding(run, model.variables)
     return programs[key]
 
 
 def decoding_path(model):
-    """How the model's decode loops run ("jax.jit", "tf.function" or
-    "eager"), and how many programs it holds."""
+    """How the model's decode loops run ("jax.jit", "tf.function",
+    "torch-cuda-graph": each token one replay of a captured step, or
+    "eager": the step called per token), and how many programs it holds."""
     programs = _PROGRAMS.get(model, {})
-    return sorted({path for _, path in programs.values()}), len(programs)
+    return sorted({decoding_path_name(path) for _, path in programs.values()}), len(programs)
 
 
 def generate_ids(

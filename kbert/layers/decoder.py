@@ -18,6 +18,7 @@ import math
 import keras
 from keras import ops
 
+from kbert.backend.decoding import cache_write
 from kbert.backend.ops import sublayer_call
 from kbert.layers.attention import (
     AttentionDropout,
@@ -62,9 +63,8 @@ def cached_self_attention(layer, inputs, key_cache, value_cache, index, key_mask
     Returns (output (B, T, H), key_cache, value_cache)."""
     qkv = sublayer_call(layer.qkv, inputs)  # (B, T, 3H)
     query, key, value = _heads(qkv, 3, layer.num_heads, layer.head_dim)  # (B, T, N, D) each
-    start = (0, index, 0, 0)
-    key_cache = ops.slice_update(key_cache, start, ops.cast(key, key_cache.dtype))
-    value_cache = ops.slice_update(value_cache, start, ops.cast(value, value_cache.dtype))
+    key_cache = cache_write(key_cache, index, ops.cast(key, key_cache.dtype))
+    value_cache = cache_write(value_cache, index, ops.cast(value, value_cache.dtype))
     mask = AttentionMask(padding=key_mask)
     context = attend(layer, query, key_cache, value_cache, mask, training=False)
     return sublayer_call(layer.output_dense, context), key_cache, value_cache

@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert.backend.decoding import cache_write
 from kbert.backend.ops import sublayer_call
 from kbert.data.seq2seq import seq2seq_features
 from kbert.generation.runner import LENGTH_MULTIPLE, decoding_options, generate_ids
@@ -701,7 +702,7 @@ class BertSeq2SeqLM(Task):
         unilm = self.architecture == "unilm"
         slot = index + constants["offset"] if unilm else index
         batch = ops.shape(token_ids)[0]
-        key_mask = ops.slice_update(cache["key_mask"], (0, slot), ops.ones((batch, 1), "int32"))
+        key_mask = cache_write(cache["key_mask"], slot, ops.ones((batch, 1), "int32"))
         if unilm:
             positions = ops.reshape(constants["source_lengths"] + index, (batch, 1))
             segments = ops.ones_like(token_ids)

@@ -59,6 +59,11 @@ def cache_write(cache, index, values):
     return cache.index_copy_(1, positions, values.to(cache.dtype))
 
 
+def is_capturing():
+    """Whether a decoding step is being captured (or, emulated, recorded)."""
+    return getattr(_ACTIVE, "capturing", False)
+
+
 def _tensor(value):
     return value if isinstance(value, torch.Tensor) else keras.ops.convert_to_tensor(value)
 
@@ -212,7 +217,7 @@ class LoopGraphs(_GraphsPerShape):
                 return state
             entry = self._capture(signature, step, state, constants, (cond, body))
             if entry is None:
-                return _eager_loop(step, state, constants, flag, done, max_iterations, 1)
+                return _eager_loop(step, state, constants, flag, done, max_iterations, CHECK_EVERY)
         keras.tree.map_structure(_copy_into, entry.constants, constants)
         keras.tree.map_structure(_copy_into, entry.state, state)
         self._replay(entry, max_iterations - done)
@@ -234,12 +239,13 @@ class LoopGraphs(_GraphsPerShape):
             keras.tree.map_structure(_copy_into, static_state, new)
             flag.copy_(keep)
 
-        if self.emulate:
-            graph = captured
-        else:
-            graph = torch.cuda.CUDAGraph()
-            previous = torch.cuda.current_stream()
-            try:
+        graph = captured if self.emulate else torch.cuda.CUDAGraph()
+        previous = None if self.emulate else torch.cuda.current_stream()
+        _ACTIVE.capturing = True
+        try:
+            if self.emulate:
+                captured()  # what a capture records; the buffers are refilled before replays
+            else:
                 with (
                     random_state_kept_on_failure(),
                     torch.cuda.graph(
@@ -250,16 +256,20 @@ class LoopGraphs(_GraphsPerShape):
                     ),
                 ):
                     captured()
-            except Exception as error:  # a step that cannot be captured runs eagerly
+        except Exception as error:  # a step that cannot be captured runs eagerly
+            if not self.emulate:
                 torch.cuda.set_stream(previous)
                 torch.cuda.synchronize()
-                self.failed = f"{type(error).__name__}: {str(error)[:300]}"
-                warnings.warn(
-                    f"kbert: the decoding step could not be captured as a CUDA graph "
-                    f"({self.failed}); generate goes on eagerly",
-                    stacklevel=2,
-                )
-                return None
+            self.failed = f"{type(error).__name__}: {str(error)[:300]}"
+            warnings.warn(
+                f"kbert: the decoding step could not be captured as a CUDA graph "
+                f"({self.failed}); generate goes on eagerly",
+                stacklevel=2,
+            )
+            return None
+        finally:
+            _ACTIVE.capturing = False
+        if not self.emulate:
             if self.pool is None:
                 self.pool = graph.pool()
             graph = graph.replay

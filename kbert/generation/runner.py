@@ -135,9 +135,9 @@ def generate_ids(
         )
         parts.append(np.asarray(ops.convert_to_numpy(ids))[:, : int(ops.convert_to_numpy(used))])
     longest = max(p.shape[1] for p in parts)
+    fill = model.pad_token_id
+    if strategy == "beam" and not fill:  # what beam search writes after the end
+        fill = model.end_token_id
     return np.concatenate(
-        [
-            np.pad(p, ((0, 0), (0, longest - p.shape[1])), constant_values=model.pad_token_id)
-            for p in parts
-        ]
+        [np.pad(p, ((0, 0), (0, longest - p.shape[1])), constant_values=fill) for p in parts]
     )

@@ -44,7 +44,7 @@ def _loop(step, constants, cache, start_ids, max_length, end_token_id, pad_token
         token = ops.take_along_axis(ids, ops.zeros((batch, 1), "int32") + index, axis=1)  # (B, 1)
         logits, cache = step(constants, cache, token, index)
         chosen = ops.cast(choose(logits, index), "int32")  # (B,)
-        chosen = ops.where(done, ops.full_like(chosen, pad_token_id), chosen)
+        chosen = ops.where(done, ops.zeros_like(chosen) + pad_token_id, chosen)
         ids = ops.where(columns == index + 1, chosen[:, None], ids)
         done = ops.logical_or(done, ops.equal(chosen, end_token_id))
         return index + 1, ids, done, cache
@@ -90,7 +90,8 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     logits = ops.cast(logits, "float32")
     if temperature != 1.0:
         logits = logits / temperature
-    low = ops.full_like(logits, -float("inf"))
+    # (not `full_like`: on torch it reads the number back from the device)
+    low = ops.zeros_like(logits) - float("inf")
     if top_k is not None and top_k > 0:
         k = min(int(top_k), logits.shape[-1])
         kth = ops.top_k(logits, k, sorted=True)[0][:, -1:]  # (B, 1)

@@ -102,6 +102,14 @@ def decoding_path(model):
     return sorted({decoding_path_name(path) for _, path in programs.values()}), len(programs)
 
 
+def decoding_stats(model):
+    """Per program on torch with graphs: how many steps were replayed, run
+    eagerly, and captured, and why a capture failed (None: no failure);
+    an empty list elsewhere."""
+    programs = _PROGRAMS.get(model, {})
+    return [path.stats() for _, path in programs.values() if hasattr(path, "stats")]
+
+
 def generate_ids(
     model,
     encoder_token_ids,

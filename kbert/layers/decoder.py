@@ -59,8 +59,10 @@ def attend(layer, query, key, value, mask, training):
 def cached_self_attention(layer, inputs, key_cache, value_cache, index, key_mask):
     """A `MultiHeadSelfAttention` call on the newest tokens: their keys and
     values are written into the caches at positions [index, index + T) and
-    the queries attend to the cached keys `key_mask` (B, S) marks as seen.
-    Returns (output (B, T, H), key_cache, value_cache)."""
+    the queries attend to the cached keys `key_mask` (B, S) marks as seen
+    (on torch with a tensor `index`, the caches are written in place:
+    `kbert.backend.decoding.cache_write`). Returns (output (B, T, H),
+    key_cache, value_cache)."""
     qkv = sublayer_call(layer.qkv, inputs)  # (B, T, 3H)
     query, key, value = _heads(qkv, 3, layer.num_heads, layer.head_dim)  # (B, T, N, D) each
     key_cache = cache_write(key_cache, index, ops.cast(key, key_cache.dtype))

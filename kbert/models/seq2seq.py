@@ -530,8 +530,9 @@ class BertSeq2SeqLM(Task):
         (`length_penalty`, `early_stopping`), sampling with `do_sample`
         (`temperature`, `top_k`, `top_p`, `seed`: the same seed, the same
         output). The loop runs as one compiled program per (batch, source
-        length bucket, options) on JAX and TensorFlow
-        (`kbert.generation.runner`).
+        length bucket, options) on JAX and TensorFlow; on torch as one step
+        per token, replayed as a CUDA graph per shapes on a GPU
+        (`kbert.generation.runner`, `decoding_path`).
 
         Args:
             inputs: raw strings (a list, or one str) -> generated strings;

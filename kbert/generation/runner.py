@@ -2,7 +2,8 @@
 with a cache, one compiled program per (batch, source length, options).
 
 The model supplies `generation_start(encoder_token_ids,
-encoder_padding_mask, max_length) -> (constants, cache)` and
+encoder_padding_mask, max_length, num_beams) -> (constants, cache)` (the
+cache with `num_beams` rows per source) and
 `generation_step(constants, cache, token_ids, index) -> (logits, cache)`
 (`index` a scalar tensor; on torch the step runs once per token, replayed
 as a CUDA graph on a GPU: `kbert.backend.torch_decoding`),
@@ -71,14 +72,13 @@ def _program(model, strategy, options, max_length):
         return programs[key]
 
     def run(encoder_token_ids, encoder_padding_mask):
-        if strategy == "beam":  # each source K times, its beams adjacent
-            encoder_token_ids = ops.repeat(encoder_token_ids, options["num_beams"], axis=0)
-            encoder_padding_mask = ops.repeat(encoder_padding_mask, options["num_beams"], axis=0)
+        # beam search: the cache holds each source's K beams (adjacent); the
+        # source is read once
+        beams = options["num_beams"] if strategy == "beam" else 1
         constants, cache = model.generation_start(
-            encoder_token_ids, encoder_padding_mask, max_length
+            encoder_token_ids, encoder_padding_mask, max_length, num_beams=beams
         )
-
-        batch = ops.shape(encoder_token_ids)[0]
+        batch = ops.shape(encoder_token_ids)[0] * beams
         start = ops.full((batch,), model.start_token_id, "int32")
         ids = (model.end_token_id, model.pad_token_id)
         step, reorder = model.generation_step, model.generation_reorder

@@ -235,7 +235,9 @@ def block_call_cached(block, inputs, key_cache, value_cache, index, key_mask, cr
     the newest tokens `inputs` (B, T, H) at positions [index, index + T):
     self-attention over the caches (see `cached_self_attention`), then,
     for a decoder block given `cross` = (key, value, encoder_padding_mask),
-    cross-attention, then the feed-forward part. Inference only. Returns
+    cross-attention (`cross` may hold one row per group of consecutive
+    rows of `inputs`, e.g. a source's beams), then the feed-forward part.
+    Inference only. Returns
     (output, key_cache, value_cache)."""
     attended, key_cache, value_cache = cached_self_attention(
         block.self_attention, inputs, key_cache, value_cache, index, key_mask
@@ -246,6 +248,12 @@ def block_call_cached(block, inputs, key_cache, value_cache, index, key_mask, cr
     x = sublayer_call(block.attention_layer_norm, inputs + attended)
     if cross is None:
         return block._feed_forward(x, False), key_cache, value_cache
+    rows, sources = ops.shape(x)[0], ops.shape(cross[0])[0]
+    if rows != sources:  # beams: a source's rows are one row of queries to its keys
+        shape = ops.shape(x)
+        x = ops.reshape(x, (sources, (rows // sources) * shape[1], shape[2]))
+        x = block._cross_and_feed_forward(x, cross, False)
+        return ops.reshape(x, shape), key_cache, value_cache
     return block._cross_and_feed_forward(x, cross, False), key_cache, value_cache
 
 

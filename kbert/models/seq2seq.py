@@ -649,15 +649,25 @@ class BertSeq2SeqLM(Task):
 
     # --- cached decoding (`kbert.generation.runner`) -----------------------
 
-    def generation_start(self, encoder_token_ids, encoder_padding_mask, max_length):
+    def generation_start(self, encoder_token_ids, encoder_padding_mask, max_length, num_beams=1):
         """(constants, cache) after reading the source: the cache holds
         per-layer key/value tensors for `max_length` decoder tokens (after
-        the source's, for "unilm"); the constants, the cross-attention keys
-        and values of the encoder output (or the source lengths)."""
+        the source's, for "unilm"), `num_beams` rows per source (its beams
+        adjacent); the constants, the cross-attention keys and values of the
+        encoder output, one row per source (a step's cross-attention takes
+        a source's beams as its queries), or the source lengths."""
         if self.architecture == "unilm":
-            return self._unilm_start(encoder_token_ids, encoder_padding_mask, max_length)
+            constants, cache = self._unilm_start(
+                encoder_token_ids, encoder_padding_mask, max_length
+            )
+            if num_beams > 1:
+                cache = keras.tree.map_structure(lambda t: ops.repeat(t, num_beams, axis=0), cache)
+                constants["source_lengths"] = ops.repeat(
+                    constants["source_lengths"], num_beams, axis=0
+                )
+            return constants, cache
         dtype = self.decoder_embeddings.compute_dtype
-        batch = ops.shape(encoder_token_ids)[0]
+        batch = ops.shape(encoder_token_ids)[0] * num_beams
         encoded = self.backbone(
             {
                 "token_ids": encoder_token_ids,

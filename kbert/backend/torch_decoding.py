@@ -51,8 +51,11 @@ _ACTIVE = threading.local()
 
 def cache_write(cache, index, values):
     """`values` (B, T, ...) written into `cache` (B, S, ...) at positions
-    [index, index + T) of axis 1, `index` a 0-d integer tensor; in place.
-    Returns `cache`."""
+    [index, index + T) of axis 1, `index` a 0-d integer tensor; in place
+    (into a contiguous copy if `cache` is not contiguous). Returns the
+    cache written."""
+    if not cache.is_contiguous():  # e.g. a repeated (expanded) view: written to a copy
+        cache = cache.contiguous()
     positions = index.reshape(1).to(torch.long)
     if values.shape[1] != 1:
         positions = positions + torch.arange(values.shape[1], device=cache.device)

@@ -113,6 +113,8 @@ def decode_loop(cond, body, state, constants, max_iterations, check_every=1):
     with torch.no_grad(), constants_on_device():
         if graphs is not None and graphs.usable():
             return graphs.run(cond, body, step, state, constants, max_iterations)
+        if graphs is not None:  # a GPU whose capture failed: keep it fed all the same
+            check_every = CHECK_EVERY
         return _eager_loop(step, state, constants, cond(*state), 0, max_iterations, check_every)
 
 

@@ -73,6 +73,12 @@ def parse_args(argv=None):
     s.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--train-steps", type=int, default=20)
+    s.add_argument(
+        "--check-every",
+        type=int,
+        default=None,
+        help="torch: steps queued on the GPU past the one whose end-of-loop flag is read",
+    )
     p.add_argument("--output", default=None)
     return p.parse_args(argv)
 
@@ -214,7 +220,12 @@ def speed(args):
 
     import kbert
     from kbert.convert.huggingface import export_to_huggingface
-    from kbert.generation.runner import decoding_path
+    from kbert.generation.runner import decoding_path, decoding_stats
+
+    if args.check_every and keras.backend.backend() == "torch":
+        from kbert.backend import torch_decoding
+
+        torch_decoding.CHECK_EVERY = args.check_every
 
     sizes = {"base": BASE, "minilm": MINILM, "tiny": TINY}[args.size]
     keras.utils.set_random_seed(0)
@@ -283,9 +294,11 @@ def speed(args):
             "transformers_new_tokens_per_s": round(tokens / hf_best),
             "speedup": round(hf_best / best, 2),
             "same_ids": bool(np.array_equal(ids, theirs().cpu().numpy())),
+            "decoding_path": decoding_path(model)[0],
         }
         print(json.dumps({f"generate_beams{beams}": result[f"generate_beams{beams}"]}), flush=True)
     result["decoding_path"] = decoding_path(model)[0]
+    result["decoding_stats"] = decoding_stats(model)  # torch: replays, eager steps, captures
 
     # fine-tuning: seconds per step on the same batches
     targets = rng.integers(5, sizes["vocabulary_size"], (batch, args.new_tokens)).astype("int32")

@@ -17,6 +17,8 @@ token, or the end token when the pad token id is 0.
 
 from keras import ops
 
+from kbert.backend.decoding import decode_loop
+
 _NEG = -1.0e9  # transformers' "impossible" score
 
 
@@ -29,6 +31,7 @@ def _gather(tensor, indices):
 
 def beam_search(
     step,
+    constants,
     cache,
     start_ids,
     max_length,
@@ -44,7 +47,9 @@ def beam_search(
     length) as `kbert.generation.search.greedy_search` does.
 
     Args:
-        step: callable. (cache, token_ids (B K, 1), index) -> (logits (B K, V), cache).
+        step: callable. (constants, cache, token_ids (B K, 1), index) ->
+            (logits (B K, V), cache).
+        constants: what `step` reads and never changes (nested tensors).
         cache: the decoding state of the B * K rows.
         start_ids: int tensor (B K,). the decoder start token of each row.
         max_length: int. the longest output, start token included.
@@ -83,14 +88,12 @@ def beam_search(
             keep = ops.logical_and(keep, ops.logical_not(ops.all(is_finished)))
         return ops.logical_and(keep, length < max_length)
 
-    def body(length, running, running_scores, finished, scores, lengths, is_finished,
+    def body(constants, length, running, running_scores, finished, scores, lengths, is_finished,
              unsatisfied, hits, cache):  # fmt: skip
         # `length`: tokens so far (start included); the last sits at length - 1
-        token = ops.reshape(
-            ops.take_along_axis(running, ops.full((batch, k, 1), length - 1, "int32"), axis=2),
-            (rows, 1),
-        )
-        logits, cache = step(cache, token, length - 1)
+        last = ops.zeros((batch, k, 1), "int32") + (length - 1)
+        token = ops.reshape(ops.take_along_axis(running, last, axis=2), (rows, 1))
+        logits, cache = step(constants, cache, token, length - 1)
         vocabulary = ops.shape(logits)[-1]
         log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
         log_probs = ops.reshape(log_probs, (batch, k, vocabulary)) + running_scores[:, :, None]
@@ -153,6 +156,6 @@ def beam_search(
         hits,
         cache,
     )
-    state = ops.while_loop(cond, body, state)
+    state = decode_loop(cond, body, state, constants, max_length - 1)
     finished, lengths = state[3], state[5]
     return finished[:, 0], 1 + ops.max(lengths[:, 0])

@@ -2,8 +2,11 @@
 with a cache, one compiled program per (batch, source length, options).
 
 The model supplies `generation_start(encoder_token_ids,
-encoder_padding_mask, max_length) -> (constants, cache)` and
-`generation_step(constants, cache, token_ids, index) -> (logits, cache)`,
+encoder_padding_mask, max_length, num_beams) -> (constants, cache)` (the
+cache with `num_beams` rows per source) and
+`generation_step(constants, cache, token_ids, index) -> (logits, cache)`
+(`index` a scalar tensor; on torch the step runs once per token, replayed
+as a CUDA graph on a GPU: `kbert.backend.torch_decoding`),
 and the token ids `start_token_id`, `end_token_id`, `pad_token_id`.
 """
 
@@ -12,7 +15,7 @@ import weakref
 import numpy as np
 from keras import ops
 
-from kbert.backend.decoding import compile_decoding
+from kbert.backend.decoding import compile_decoding, decoding_path_name
 from kbert.generation import beam, search
 
 # model -> {program key: (compiled function, path)}; dropped with the model
@@ -69,36 +72,42 @@ def _program(model, strategy, options, max_length):
         return programs[key]
 
     def run(encoder_token_ids, encoder_padding_mask):
-        if strategy == "beam":  # each source K times, its beams adjacent
-            encoder_token_ids = ops.repeat(encoder_token_ids, options["num_beams"], axis=0)
-            encoder_padding_mask = ops.repeat(encoder_padding_mask, options["num_beams"], axis=0)
+        # beam search: the cache holds each source's K beams (adjacent); the
+        # source is read once
+        beams = options["num_beams"] if strategy == "beam" else 1
         constants, cache = model.generation_start(
-            encoder_token_ids, encoder_padding_mask, max_length
+            encoder_token_ids, encoder_padding_mask, max_length, num_beams=beams
         )
-
-        def step(cache, token_ids, index):
-            return model.generation_step(constants, cache, token_ids, index)
-
-        batch = ops.shape(encoder_token_ids)[0]
+        batch = ops.shape(encoder_token_ids)[0] * beams
         start = ops.full((batch,), model.start_token_id, "int32")
         ids = (model.end_token_id, model.pad_token_id)
+        step, reorder = model.generation_step, model.generation_reorder
         if strategy == "beam":
             return beam.beam_search(
-                step, cache, start, max_length, *ids, reorder=model.generation_reorder, **options
+                step, constants, cache, start, max_length, *ids, reorder=reorder, **options
             )
         if strategy == "sample":
-            return search.sample_search(step, cache, start, max_length, *ids, **options)
-        return search.greedy_search(step, cache, start, max_length, *ids)
+            return search.sample_search(step, constants, cache, start, max_length, *ids, **options)
+        return search.greedy_search(step, constants, cache, start, max_length, *ids)
 
     programs[key] = compile_decoding(run, model.variables)
     return programs[key]
 
 
 def decoding_path(model):
-    """How the model's decode loops run ("jax.jit", "tf.function" or
-    "eager"), and how many programs it holds."""
+    """How the model's decode loops run ("jax.jit", "tf.function",
+    "torch-cuda-graph": each token one replay of a captured step, or
+    "eager": the step called per token), and how many programs it holds."""
     programs = _PROGRAMS.get(model, {})
-    return sorted({path for _, path in programs.values()}), len(programs)
+    return sorted({decoding_path_name(path) for _, path in programs.values()}), len(programs)
+
+
+def decoding_stats(model):
+    """Per program on torch with graphs: how many steps were replayed, run
+    eagerly, and captured, and why a capture failed (None: no failure);
+    an empty list elsewhere."""
+    programs = _PROGRAMS.get(model, {})
+    return [path.stats() for _, path in programs.values() if hasattr(path, "stats")]
 
 
 def generate_ids(
@@ -134,9 +143,9 @@ def generate_ids(
         )
         parts.append(np.asarray(ops.convert_to_numpy(ids))[:, : int(ops.convert_to_numpy(used))])
     longest = max(p.shape[1] for p in parts)
+    fill = model.pad_token_id
+    if strategy == "beam" and not fill:  # what beam search writes after the end
+        fill = model.end_token_id
     return np.concatenate(
-        [
-            np.pad(p, ((0, 0), (0, longest - p.shape[1])), constant_values=model.pad_token_id)
-            for p in parts
-        ]
+        [np.pad(p, ((0, 0), (0, longest - p.shape[1])), constant_values=fill) for p in parts]
     )

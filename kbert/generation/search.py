@@ -3,12 +3,17 @@
 Shapes: B batch, V vocabulary, L the longest output (decoder start token
 included).
 
-A loop drives a `step(cache, token_ids, index) -> (logits, cache)`: the
-float32 logits (B, V) of the token after `token_ids` (B, 1), which sits
-at decoder position `index`, and the cache with that token's keys and
-values written. The cache keeps its shapes from step to step, so the loop
-is one `keras.ops.while_loop`: on JAX and TensorFlow, traced once inside
-the program `kbert.backend.decoding` compiles; on torch a Python loop.
+A loop drives a `step(constants, cache, token_ids, index) -> (logits,
+cache)`: the float32 logits (B, V) of the token after `token_ids` (B, 1),
+which sits at decoder position `index` (a scalar tensor), and the cache
+with that token's keys and values written; `constants` (what the step
+reads and never changes, e.g. the encoder's keys and values) are passed
+through. The cache keeps its shapes from step to step, so the loop is one
+`kbert.backend.decoding.decode_loop`: on JAX and TensorFlow a
+`keras.ops.while_loop` traced once inside the program `compile_decoding`
+compiles; on torch one step function called per token (a CUDA graph
+replayed per token on a GPU). Positions are read and written with
+tensor-indexed operations (no host round trip per token).
 
 Outputs are laid out as transformers' `generate` lays them out: the start
 token, the generated tokens up to and including the end token, then the
@@ -18,37 +23,47 @@ the (B, max_length) ids to the `length` returned.
 
 from keras import ops
 
+from kbert.backend.decoding import decode_loop
 
-def _loop(step, cache, start_ids, max_length, end_token_id, pad_token_id, choose):
+
+def _loop(step, constants, cache, start_ids, max_length, end_token_id, pad_token_id, choose):
     """The shared loop: `choose(logits, index)` picks each next token (B,)."""
     batch = ops.shape(start_ids)[0]
-    ids = ops.full((batch, max_length), pad_token_id, "int32")
-    ids = ops.slice_update(ids, (0, 0), ops.reshape(ops.cast(start_ids, "int32"), (batch, 1)))
+    columns = ops.arange(max_length, dtype="int32")[None, :]  # (1, L)
+    ids = ops.where(
+        columns == 0,
+        ops.reshape(ops.cast(start_ids, "int32"), (batch, 1)),
+        ops.full((batch, max_length), pad_token_id, "int32"),
+    )
     done = ops.zeros((batch,), "bool")
 
     def cond(index, ids, done, cache):
         return ops.logical_and(index < max_length - 1, ops.logical_not(ops.all(done)))
 
-    def body(index, ids, done, cache):
-        token = ops.slice(ids, (0, index), (batch, 1))  # (B, 1)
-        logits, cache = step(cache, token, index)
+    def body(constants, index, ids, done, cache):
+        token = ops.take_along_axis(ids, ops.zeros((batch, 1), "int32") + index, axis=1)  # (B, 1)
+        logits, cache = step(constants, cache, token, index)
         chosen = ops.cast(choose(logits, index), "int32")  # (B,)
-        chosen = ops.where(done, ops.full_like(chosen, pad_token_id), chosen)
-        ids = ops.slice_update(ids, (0, index + 1), ops.reshape(chosen, (batch, 1)))
+        chosen = ops.where(done, ops.zeros_like(chosen) + pad_token_id, chosen)
+        ids = ops.where(columns == index + 1, chosen[:, None], ids)
         done = ops.logical_or(done, ops.equal(chosen, end_token_id))
         return index + 1, ids, done, cache
 
     index = ops.convert_to_tensor(0, "int32")
-    index, ids, done, cache = ops.while_loop(cond, body, (index, ids, done, cache))
+    index, ids, done, cache = decode_loop(
+        cond, body, (index, ids, done, cache), constants, max_length - 1
+    )
     return ids, index + 1
 
 
-def greedy_search(step, cache, start_ids, max_length, end_token_id, pad_token_id):
+def greedy_search(step, constants, cache, start_ids, max_length, end_token_id, pad_token_id):
     """The most likely next token at each step. Returns (ids (B, max_length),
     length): the ids up to `length` are the output.
 
     Args:
-        step: callable. (cache, token_ids (B, 1), index) -> (logits (B, V), cache).
+        step: callable. (constants, cache, token_ids (B, 1), index) ->
+            (logits (B, V), cache).
+        constants: what `step` reads and never changes (nested tensors).
         cache: the decoding state `step` carries (nested tensors).
         start_ids: int tensor (B,). the decoder start token of each row.
         max_length: int. the longest output, start token included.
@@ -57,6 +72,7 @@ def greedy_search(step, cache, start_ids, max_length, end_token_id, pad_token_id
     """
     return _loop(
         step,
+        constants,
         cache,
         start_ids,
         max_length,
@@ -74,7 +90,8 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     logits = ops.cast(logits, "float32")
     if temperature != 1.0:
         logits = logits / temperature
-    low = ops.full_like(logits, -float("inf"))
+    # (not `full_like`: on torch it reads the number back from the device)
+    low = ops.zeros_like(logits) - float("inf")
     if top_k is not None and top_k > 0:
         k = min(int(top_k), logits.shape[-1])
         kth = ops.top_k(logits, k, sorted=True)[0][:, -1:]  # (B, 1)
@@ -121,6 +138,7 @@ def uniform_noise(seed, index, shape):
 
 def sample_search(
     step,
+    constants,
     cache,
     start_ids,
     max_length,
@@ -142,4 +160,4 @@ def sample_search(
         gumbel = -ops.log(-ops.log(uniform_noise(seed, index, ops.shape(logits))))
         return ops.argmax(logits + gumbel, axis=-1)
 
-    return _loop(step, cache, start_ids, max_length, end_token_id, pad_token_id, choose)
+    return _loop(step, constants, cache, start_ids, max_length, end_token_id, pad_token_id, choose)

@@ -18,6 +18,7 @@ import math
 import keras
 from keras import ops
 
+from kbert.backend.decoding import cache_write
 from kbert.backend.ops import sublayer_call
 from kbert.layers.attention import (
     AttentionDropout,
@@ -58,13 +59,14 @@ def attend(layer, query, key, value, mask, training):
 def cached_self_attention(layer, inputs, key_cache, value_cache, index, key_mask):
     """A `MultiHeadSelfAttention` call on the newest tokens: their keys and
     values are written into the caches at positions [index, index + T) and
-    the queries attend to the cached keys `key_mask` (B, S) marks as seen.
-    Returns (output (B, T, H), key_cache, value_cache)."""
+    the queries attend to the cached keys `key_mask` (B, S) marks as seen
+    (on torch with a tensor `index`, the caches are written in place:
+    `kbert.backend.decoding.cache_write`). Returns (output (B, T, H),
+    key_cache, value_cache)."""
     qkv = sublayer_call(layer.qkv, inputs)  # (B, T, 3H)
     query, key, value = _heads(qkv, 3, layer.num_heads, layer.head_dim)  # (B, T, N, D) each
-    start = (0, index, 0, 0)
-    key_cache = ops.slice_update(key_cache, start, ops.cast(key, key_cache.dtype))
-    value_cache = ops.slice_update(value_cache, start, ops.cast(value, value_cache.dtype))
+    key_cache = cache_write(key_cache, index, ops.cast(key, key_cache.dtype))
+    value_cache = cache_write(value_cache, index, ops.cast(value, value_cache.dtype))
     mask = AttentionMask(padding=key_mask)
     context = attend(layer, query, key_cache, value_cache, mask, training=False)
     return sublayer_call(layer.output_dense, context), key_cache, value_cache
@@ -233,7 +235,9 @@ def block_call_cached(block, inputs, key_cache, value_cache, index, key_mask, cr
     the newest tokens `inputs` (B, T, H) at positions [index, index + T):
     self-attention over the caches (see `cached_self_attention`), then,
     for a decoder block given `cross` = (key, value, encoder_padding_mask),
-    cross-attention, then the feed-forward part. Inference only. Returns
+    cross-attention (`cross` may hold one row per group of consecutive
+    rows of `inputs`, e.g. a source's beams), then the feed-forward part.
+    Inference only. Returns
     (output, key_cache, value_cache)."""
     attended, key_cache, value_cache = cached_self_attention(
         block.self_attention, inputs, key_cache, value_cache, index, key_mask
@@ -244,6 +248,12 @@ def block_call_cached(block, inputs, key_cache, value_cache, index, key_mask, cr
     x = sublayer_call(block.attention_layer_norm, inputs + attended)
     if cross is None:
         return block._feed_forward(x, False), key_cache, value_cache
+    rows, sources = ops.shape(x)[0], ops.shape(cross[0])[0]
+    if rows != sources:  # beams: a source's rows are one row of queries to its keys
+        shape = ops.shape(x)
+        x = ops.reshape(x, (sources, (rows // sources) * shape[1], shape[2]))
+        x = block._cross_and_feed_forward(x, cross, False)
+        return ops.reshape(x, shape), key_cache, value_cache
     return block._cross_and_feed_forward(x, cross, False), key_cache, value_cache
 
 

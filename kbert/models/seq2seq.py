@@ -28,6 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert.backend.decoding import cache_write
 from kbert.backend.ops import sublayer_call
 from kbert.data.seq2seq import seq2seq_features
 from kbert.generation.runner import LENGTH_MULTIPLE, decoding_options, generate_ids
@@ -529,8 +530,9 @@ class BertSeq2SeqLM(Task):
         (`length_penalty`, `early_stopping`), sampling with `do_sample`
         (`temperature`, `top_k`, `top_p`, `seed`: the same seed, the same
         output). The loop runs as one compiled program per (batch, source
-        length bucket, options) on JAX and TensorFlow
-        (`kbert.generation.runner`).
+        length bucket, options) on JAX and TensorFlow; on torch as one step
+        per token, replayed as a CUDA graph per shapes on a GPU
+        (`kbert.generation.runner`, `decoding_path`).
 
         Args:
             inputs: raw strings (a list, or one str) -> generated strings;
@@ -647,15 +649,25 @@ class BertSeq2SeqLM(Task):
 
     # --- cached decoding (`kbert.generation.runner`) -----------------------
 
-    def generation_start(self, encoder_token_ids, encoder_padding_mask, max_length):
+    def generation_start(self, encoder_token_ids, encoder_padding_mask, max_length, num_beams=1):
         """(constants, cache) after reading the source: the cache holds
         per-layer key/value tensors for `max_length` decoder tokens (after
-        the source's, for "unilm"); the constants, the cross-attention keys
-        and values of the encoder output (or the source lengths)."""
+        the source's, for "unilm"), `num_beams` rows per source (its beams
+        adjacent); the constants, the cross-attention keys and values of the
+        encoder output, one row per source (a step's cross-attention takes
+        a source's beams as its queries), or the source lengths."""
         if self.architecture == "unilm":
-            return self._unilm_start(encoder_token_ids, encoder_padding_mask, max_length)
+            constants, cache = self._unilm_start(
+                encoder_token_ids, encoder_padding_mask, max_length
+            )
+            if num_beams > 1:
+                cache = keras.tree.map_structure(lambda t: ops.repeat(t, num_beams, axis=0), cache)
+                constants["source_lengths"] = ops.repeat(
+                    constants["source_lengths"], num_beams, axis=0
+                )
+            return constants, cache
         dtype = self.decoder_embeddings.compute_dtype
-        batch = ops.shape(encoder_token_ids)[0]
+        batch = ops.shape(encoder_token_ids)[0] * num_beams
         encoded = self.backbone(
             {
                 "token_ids": encoder_token_ids,
@@ -701,7 +713,7 @@ class BertSeq2SeqLM(Task):
         unilm = self.architecture == "unilm"
         slot = index + constants["offset"] if unilm else index
         batch = ops.shape(token_ids)[0]
-        key_mask = ops.slice_update(cache["key_mask"], (0, slot), ops.ones((batch, 1), "int32"))
+        key_mask = cache_write(cache["key_mask"], slot, ops.ones((batch, 1), "int32"))
         if unilm:
             positions = ops.reshape(constants["source_lengths"] + index, (batch, 1))
             segments = ops.ones_like(token_ids)

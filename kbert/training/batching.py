@@ -545,7 +545,8 @@ SPLIT_MIN_SAVING = 0.1
 def splits_batches(model=None):
     """Whether `predict_on_batch` splits a batch by row length: JAX and
     TensorFlow on a CPU, where the work and its time follow the shape.
-    Eager torch on a CPU drops the padding inside each block instead
+    Eager torch on a CPU runs the batch cut to its longest row (multiple
+    1) and drops the rest of the padding inside each block instead
     (`kbert.backend.ops.token_packing`); on a GPU each new shape costs a
     compilation or a capture, more than a batch of a few thousand tokens
     saves by splitting."""

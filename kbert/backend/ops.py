@@ -212,6 +212,22 @@ def int8_quantize(inputs, value_range=(-127, 127), epsilon=None):
     )
 
 
+def int8_dequantize(product, kernel_scale, inputs_scale, bias=None, dtype="float32"):
+    """Keras' int8 `Dense` rescaling of the int32 product (..., O):
+    product / (kernel_scale * inputs_scale) + bias, in `dtype`, the same
+    operations in the same order; on torch on a CPU without autograd the
+    division and the bias add run as one pass in place."""
+    if backend.is_torch() and not getattr(_PORTABLE, "depth", 0):
+        dtype = keras.backend.standardize_dtype(dtype)
+        out = torch_ops.int8_dequantize(
+            product, kernel_scale, inputs_scale, bias, getattr(torch_ops.torch, dtype)
+        )
+        if out is not None:
+            return out
+    x = ops.divide(ops.cast(product, dtype), ops.multiply(kernel_scale, inputs_scale))
+    return x if bias is None else ops.add(x, bias)
+
+
 def int8_matmul(inputs, kernel):
     """inputs (..., I) int8, kernel (I, O) int8 -> (..., O) int32, exact."""
     if getattr(_PORTABLE, "depth", 0):

@@ -78,10 +78,50 @@ def int8_quantize_rows(inputs, value_range, epsilon):
     device tensors, a host-to-device copy that CUDA-graph capture refuses."""
     inputs = ops.convert_to_tensor(inputs)
     low, high = value_range
+    if inputs.device.type == "cpu" and not torch.is_grad_enabled() and -low == high <= 127:
+        return _int8_quantize_rows_cpu(inputs, high, epsilon)
     denominator = inputs.abs().amax(dim=-1, keepdim=True) + epsilon
     # a true division, as Keras' (scalar / tensor is a reciprocal times the scalar)
     scale = torch.full_like(denominator, high) / denominator
     return torch.clamp(torch.round(inputs * scale), low, high).to(torch.int8), scale
+
+
+def _int8_quantize_rows_cpu(inputs, high, epsilon):
+    """`int8_quantize_rows` for CPU inference in three passes over the
+    inputs where the general form makes six (each a parallel region of
+    torch's thread pool): the row maxima of |x| in one reduction (the
+    infinity norm: the same maxima), and the rounding in place. The clamp
+    is left out: |x| <= max|x| makes |x * high / (max|x| + eps)| at most
+    `high` to a rounding of the float product, which rounds to `high`, so
+    the integers are those of the general form."""
+    denominator = torch.linalg.vector_norm(inputs, float("inf"), dim=-1, keepdim=True) + epsilon
+    scale = torch.full_like(denominator, high) / denominator
+    scaled = inputs * scale
+    return scaled.round_().to(torch.int8), scale
+
+
+def int8_dequantize(product, kernel_scale, inputs_scale, bias, dtype):
+    """Keras' int8 `Dense` rescaling, product (..., O) int32 ->
+    product / (kernel_scale * inputs_scale) + bias in `dtype`: on the CPU
+    without autograd the division and the bias add are one pass
+    (`addcdiv`, whose factor 1 is exact) into the cast product, in place;
+    None elsewhere, and for operands other than float32 (the caller runs
+    Keras' operations, whose type promotion decides the result)."""
+    product = ops.convert_to_tensor(product)
+    if product.device.type != "cpu" or torch.is_grad_enabled() or dtype != torch.float32:
+        return None
+    operands = [ops.convert_to_tensor(kernel_scale), ops.convert_to_tensor(inputs_scale)]
+    if bias is not None:
+        operands.append(ops.convert_to_tensor(bias))
+    if any(t.dtype != torch.float32 for t in operands):
+        return None  # Keras' type promotion decides the result's dtype
+    x = product.to(torch.float32)
+    denominator = operands[0] * operands[1]
+    if denominator.shape != x.shape:
+        return None
+    if bias is None:
+        return x.div_(denominator)
+    return torch.addcdiv(operands[2], x, denominator, out=x)
 
 
 def int8_matmul(inputs, kernel):

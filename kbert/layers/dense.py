@@ -6,7 +6,13 @@ Dense."""
 import keras
 from keras import ops
 
-from kbert.backend.ops import fused_dense, int8_matmul, int8_quantize, packed_weight_cache
+from kbert.backend.ops import (
+    fused_dense,
+    int8_dequantize,
+    int8_matmul,
+    int8_quantize,
+    packed_weight_cache,
+)
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -67,10 +73,13 @@ class Dense(keras.layers.Dense):
         """Keras' int8 forward with the backend's integer product."""
         quantizer = self.inputs_quantizer
         x, inputs_scale = int8_quantize(inputs, quantizer.value_range, quantizer.epsilon)
-        x = ops.cast(int8_matmul(x, self.kernel), self.compute_dtype)
-        x = ops.divide(x, ops.multiply(self.kernel_scale, inputs_scale))
-        if self.bias is not None:
-            x = ops.add(x, self.bias)
+        x = int8_dequantize(
+            int8_matmul(x, self.kernel),
+            self.kernel_scale,
+            inputs_scale,
+            self.bias,
+            self.compute_dtype,
+        )
         if self.activation is not None:
             x = self.activation(x)
         return x

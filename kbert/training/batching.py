@@ -545,7 +545,8 @@ SPLIT_MIN_SAVING = 0.1
 def splits_batches(model=None):
     """Whether `predict_on_batch` splits a batch by row length: JAX and
     TensorFlow on a CPU, where the work and its time follow the shape.
-    Eager torch on a CPU drops the padding inside each block instead
+    Eager torch on a CPU runs the batch cut to its longest row (multiple
+    1) and drops the rest of the padding inside each block instead
     (`kbert.backend.ops.token_packing`); on a GPU each new shape costs a
     compilation or a capture, more than a batch of a few thousand tokens
     saves by splitting."""
@@ -557,14 +558,21 @@ def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
     arrays, sorted by length) that together hold each row once, each with
     its bucket length: the fewest groups with the least work (rows x
     length). One group, all rows at the bucket of the batch's length,
-    without `split` or where that saves less than `SPLIT_MIN_SAVING`."""
+    without `split` or where that saves less than `SPLIT_MIN_SAVING`; with
+    `multiple` 1 (a backend that runs any length without compiling it:
+    `default_multiple`) that one group is cut to the batch's longest row,
+    as transformers' dynamic padding does."""
     full = int(np.shape(x["padding_mask"])[-1])
     limit = limit or full + multiple
     rows = len(x["padding_mask"])
     whole = [(np.arange(rows), max(bucket_length(full, limit, multiple), full))]
-    if not split or rows == 0:
+    if rows == 0:
         return whole
     needed = needed_lengths(x)
+    if multiple == 1:
+        whole = [(np.arange(rows), max(int(needed.max()), 1))]
+    if not split:
+        return whole
     order = np.argsort(needed, kind="stable")
 
     def plan(count):

@@ -117,7 +117,9 @@ def transformers_bert2bert(example, args, seed):
     rng = np.random.default_rng(seed)
     model.train()
     start = time.perf_counter()
+    epoch_losses = []
     for _ in range(args.epochs):
+        losses = []
         order = rng.permutation(len(train[0]))
         for i in range(0, len(order), args.batch_size):
             rows = order[i : i + args.batch_size]
@@ -144,11 +146,13 @@ def transformers_bert2bert(example, args, seed):
                 decoder_attention_mask=tgt.attention_mask[:, :-1],
                 labels=labels,
             ).loss
+            losses.append(float(loss))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad()
+        epoch_losses.append(round(statistics.fmean(losses), 4))
     train_seconds = time.perf_counter() - start
     model.eval()
     outputs = []
@@ -171,6 +175,7 @@ def transformers_bert2bert(example, args, seed):
         "system": "transformers-bert2bert",
         "seed": seed,
         "train_seconds": round(train_seconds, 2),
+        "epoch_losses": epoch_losses,
         **example.score(words, held[0], outputs, held[1]),
     }
 

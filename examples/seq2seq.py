@@ -142,6 +142,7 @@ def run(args):
         "eval_examples": len(held[0]),
         "epochs": args.epochs,
         "final_loss": float(history.history["loss"][-1]),
+        "epoch_losses": [round(float(v), 4) for v in history.history["loss"]],
         "train_seconds": round(train_seconds, 2),
         "generate_seconds": round(generate_seconds, 2),
         "num_beams": args.num_beams,

@@ -203,6 +203,13 @@ class BertSeq2SeqLM(Task):
     )
     token_targets = True
     token_outputs = True
+    # `compile`'s Adam epsilon. A new cross-attention starts with its keys
+    # near 0, so its queries' gradients are tiny (about 1e-6 per weight
+    # before clipping, 100x below the rest of a warm-started
+    # all-MiniLM-L6-v2): against the original BERT's 1e-6 their updates
+    # come out 20-40x smaller, and BERT2BERT on WikiSplit stalls at loss
+    # 3.6 where transformers' 1e-8 reaches 2.1 (benchmarks/RESULTS.md).
+    adam_epsilon = 1e-8
     targets_hint = (
         "it trains on (source texts, target texts), or on model inputs with the "
         "target ids (B, T) as y"

@@ -150,6 +150,7 @@ def create_optimizer(
     weight_decay=0.01,
     clipnorm=1.0,
     kind="adamw",
+    epsilon=1e-6,
 ):
     """AdamW (or LAMB) with the BERT schedule and weight-decay exclusions.
 
@@ -160,13 +161,15 @@ def create_optimizer(
         weight_decay: float. decoupled weight decay.
         clipnorm: float or None. global-norm clipping.
         kind: str. "adamw" or "lamb".
+        epsilon: float. added to the root of the second moment (the
+            original BERT's 1e-6; transformers' default is 1e-8).
     """
     schedule = WarmupLinearDecay(learning_rate, num_train_steps, num_warmup_steps)
     common = dict(learning_rate=schedule, weight_decay=weight_decay, global_clipnorm=clipnorm)
     if kind == "adamw":
-        optimizer = AdamW(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
+        optimizer = AdamW(beta_1=0.9, beta_2=0.999, epsilon=epsilon, **common)
     elif kind == "lamb":
-        optimizer = Lamb(beta_1=0.9, beta_2=0.999, epsilon=1e-6, **common)
+        optimizer = Lamb(beta_1=0.9, beta_2=0.999, epsilon=epsilon, **common)
     else:
         raise ValueError(f"unknown optimizer {kind!r}; use 'adamw' or 'lamb'")
     optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))

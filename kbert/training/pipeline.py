@@ -53,11 +53,13 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
     - `bucket_datasets`: batched tf.data inputs are cut to bucket lengths too.
     - `packs_rows`: `fit` may pack several examples per row
       (`batching.PackedBatches`; per-example outputs only).
+    - `adam_epsilon`: the epsilon of `compile`'s "adamw" and "lamb".
     """
 
     token_targets = False
     token_outputs = False
     token_output_fill = 0.0
+    adam_epsilon = 1e-6  # `compile`'s default: the original BERT's
     targets_required = True
     targets_hint = "pass them as `y` (labels for texts, or target arrays for model inputs)"
     bucket_datasets = True
@@ -468,11 +470,16 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         num_warmup_steps=None,
         cuda_graph="auto",
         autotune="auto",
+        epsilon=None,
         **kwargs,
     ):
         """Fine-tuning defaults: AdamW (weight decay 0.01, none on LayerNorm
         and biases, global-norm clipping 1.0) at `learning_rate`, with 10%
         linear warm-up and linear decay when `num_train_steps` is given.
+
+        `epsilon`: Adam's epsilon for "adamw" and "lamb"; None: the task's
+        `adam_epsilon` (the original BERT's 1e-6; 1e-8 for models that
+        train new attention from scratch, see `BertSeq2SeqLM`).
 
         `cuda_graph`: on the torch backend with a GPU and kbert's AdamW,
         `fit` captures its training step as a CUDA graph and replays it
@@ -503,7 +510,13 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         self.cuda_graph = cuda_graph
         self.autotune = autotune if isinstance(autotune, bool) else "auto"
         trainer.clear_step_plan(self)  # Keras' compile makes new steps
-        if isinstance(optimizer, str) and optimizer in ("adamw", "lamb"):
+        named = isinstance(optimizer, str) and optimizer in ("adamw", "lamb")
+        if epsilon is not None and not named:
+            raise ValueError(
+                f"epsilon={epsilon!r} sets kbert's 'adamw' or 'lamb'; got optimizer="
+                f"{optimizer!r}: give your optimizer its own epsilon"
+            )
+        if named:
             # no decay when the length is unknown (nor a run length for the trainer)
             steps = num_train_steps or trainer.UNKNOWN_RUN_STEPS
             warmup = (
@@ -511,7 +524,12 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
                 if num_warmup_steps is not None
                 else (steps // 10 if num_train_steps else 0)
             )
-            optimizer = create_optimizer(learning_rate, steps, warmup, kind=optimizer)
+            epsilon = self.adam_epsilon if epsilon is None else epsilon
+            if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon <= 0:
+                raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
+            optimizer = create_optimizer(
+                learning_rate, steps, warmup, kind=optimizer, epsilon=epsilon
+            )
         if not isinstance(optimizer, str):
             exclude_from_weight_decay(optimizer, self)
         if self.training_dtype_policy().name == "mixed_float16" and not isinstance(

@@ -361,3 +361,25 @@ def test_fit_checks_model_inputs():
     m.compile()
     with pytest.raises(ValueError, match="decoder_token_ids.*500"):
         m.fit(x, x["decoder_token_ids"], epochs=1, verbose=0)
+
+
+def test_new_cross_attention_learns_at_adams_rate():
+    """A new cross-attention starts with keys near 0, so its queries'
+    gradients are tiny; `compile`'s default epsilon (`adam_epsilon`) lets
+    Adam's first step move them about the learning rate, where the original
+    BERT's 1e-6 moves them a few hundredths of it."""
+    rng = np.random.default_rng(0)
+    x = seq2seq_inputs(batch=16, source=12, target=12, vocabulary_size=100)
+    y = rng.integers(4, 100, (16, 12)).astype("int32")
+    moved = {}
+    for epsilon in (None, 1e-6):
+        keras.utils.set_random_seed(0)
+        backbone = kbert.BertBackbone(100, 2, 4, 64, 128, max_sequence_length=32)
+        lm = kbert.BertSeq2SeqLM(backbone, start_token_id=2, end_token_id=3)
+        lm.compile(learning_rate=1e-3, num_train_steps=10, num_warmup_steps=0, epsilon=epsilon)
+        query = lm.get_layer("decoder_layer_0").cross_attention.query.kernel
+        before = arr(query)
+        lm.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        moved[epsilon] = float(np.median(np.abs(arr(query) - before))) / 1e-3
+    assert moved[None] > 0.3, moved
+    assert moved[1e-6] < 0.1, moved  # the stall the default avoids

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kbert
+from kbert.models.progressive import LayerTransfer
 from kbert.training import (
     NonFiniteLossError,
     WarmupLinearDecay,
@@ -24,6 +25,38 @@ def test_schedule_matches_the_original():
     schedule = WarmupLinearDecay(1e-3, total_steps=100, warmup_steps=10)
     values = [float(keras.ops.convert_to_numpy(schedule(s))) for s in (0, 5, 10, 50, 100, 150)]
     np.testing.assert_allclose(values, [0.0, 5e-4, 9e-4, 5e-4, 0.0, 0.0], atol=1e-9)
+
+
+def test_compile_epsilon_default_per_task_and_checked():
+    """`compile`'s Adam epsilon: the task's `adam_epsilon` (the original
+    BERT's 1e-6; 1e-8 where new weights get tiny gradients), or the
+    caller's; an optimizer of the caller's keeps its own."""
+    backbone = kbert.BertBackbone(**TINY)
+    classifier = kbert.BertClassifier(backbone, 2)
+    classifier.compile()
+    assert classifier.optimizer.epsilon == 1e-6
+    classifier.compile(optimizer="lamb", epsilon=1e-7)
+    assert classifier.optimizer.epsilon == 1e-7
+    seq2seq = kbert.BertSeq2SeqLM(
+        kbert.BertBackbone(**TINY), start_token_id=2, end_token_id=3, architecture="unilm"
+    )
+    seq2seq.compile()
+    assert seq2seq.optimizer.epsilon == 1e-8
+    stage = LayerTransfer(
+        kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16),
+        kbert.MobileBertBackbone(
+            100, 2, 2, 16, 16, max_sequence_length=16, embedding_dim=8, bottleneck_dim=8
+        ),
+        block=1,
+        teacher_block=1,
+    )
+    stage.compile()
+    assert stage.optimizer.epsilon == 1e-8
+    with pytest.raises(ValueError, match="give your optimizer its own epsilon"):
+        classifier.compile(optimizer=keras.optimizers.Adam(), epsilon=1e-8)
+    for bad in (0, -1e-8, "1e-8", True):
+        with pytest.raises(ValueError, match="epsilon must be a positive number"):
+            classifier.compile(epsilon=bad)
 
 
 def test_weight_decay_skips_layer_norm_and_bias():

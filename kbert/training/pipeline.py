@@ -478,8 +478,9 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         linear warm-up and linear decay when `num_train_steps` is given.
 
         `epsilon`: Adam's epsilon for "adamw" and "lamb"; None: the task's
-        `adam_epsilon` (the original BERT's 1e-6; 1e-8 for models that
-        train new attention from scratch, see `BertSeq2SeqLM`).
+        `adam_epsilon` (the original BERT's 1e-6; 1e-8 where new weights
+        get tiny gradients: `BertSeq2SeqLM`'s new cross-attention,
+        progressive transfer's feature-map losses).
 
         `cuda_graph`: on the torch backend with a GPU and kbert's AdamW,
         `fit` captures its training step as a CUDA graph and replays it

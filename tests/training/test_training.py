@@ -37,11 +37,12 @@ def test_compile_epsilon_default_per_task_and_checked():
     assert classifier.optimizer.epsilon == 1e-6
     classifier.compile(optimizer="lamb", epsilon=1e-7)
     assert classifier.optimizer.epsilon == 1e-7
-    seq2seq = kbert.BertSeq2SeqLM(
-        kbert.BertBackbone(**TINY), start_token_id=2, end_token_id=3, architecture="unilm"
-    )
-    seq2seq.compile()
-    assert seq2seq.optimizer.epsilon == 1e-8
+    for architecture, epsilon in (("bert2bert", 1e-8), ("unilm", 1e-6)):
+        seq2seq = kbert.BertSeq2SeqLM(
+            kbert.BertBackbone(**TINY), start_token_id=2, end_token_id=3, architecture=architecture
+        )
+        seq2seq.compile()
+        assert seq2seq.optimizer.epsilon == epsilon  # new cross-attention: 1e-8
     stage = LayerTransfer(
         kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16),
         kbert.MobileBertBackbone(

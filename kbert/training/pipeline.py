@@ -15,6 +15,7 @@ attributes below); `kbert.models.Task` does so for every task model.
 
 import contextlib
 import inspect
+import numbers
 
 import keras
 import numpy as np
@@ -508,15 +509,18 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
             raise ValueError(f'cuda_graph must be "auto", True or False; got {cuda_graph!r}')
         if not (autotune is True or autotune is False or autotune == "auto"):
             raise ValueError(f'autotune must be "auto", True or False; got {autotune!r}')
-        self.cuda_graph = cuda_graph
-        self.autotune = autotune if isinstance(autotune, bool) else "auto"
-        trainer.clear_step_plan(self)  # Keras' compile makes new steps
         named = isinstance(optimizer, str) and optimizer in ("adamw", "lamb")
         if epsilon is not None and not named:
             raise ValueError(
                 f"epsilon={epsilon!r} sets kbert's 'adamw' or 'lamb'; got optimizer="
                 f"{optimizer!r}: give your optimizer its own epsilon"
             )
+        epsilon = self.adam_epsilon if epsilon is None else epsilon
+        if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not epsilon > 0:
+            raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
+        self.cuda_graph = cuda_graph
+        self.autotune = autotune if isinstance(autotune, bool) else "auto"
+        trainer.clear_step_plan(self)  # Keras' compile makes new steps
         if named:
             # no decay when the length is unknown (nor a run length for the trainer)
             steps = num_train_steps or trainer.UNKNOWN_RUN_STEPS
@@ -525,9 +529,6 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
                 if num_warmup_steps is not None
                 else (steps // 10 if num_train_steps else 0)
             )
-            epsilon = self.adam_epsilon if epsilon is None else epsilon
-            if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon <= 0:
-                raise ValueError(f"epsilon must be a positive number, got {epsilon!r}")
             optimizer = create_optimizer(
                 learning_rate, steps, warmup, kind=optimizer, epsilon=epsilon
             )

@@ -55,7 +55,7 @@ def test_compile_epsilon_default_per_task_and_checked():
     assert stage.optimizer.epsilon == 1e-8
     with pytest.raises(ValueError, match="give your optimizer its own epsilon"):
         classifier.compile(optimizer=keras.optimizers.Adam(), epsilon=1e-8)
-    for bad in (0, -1e-8, "1e-8", True):
+    for bad in (0, -1e-8, float("nan"), "1e-8", True):
         with pytest.raises(ValueError, match="epsilon must be a positive number"):
             classifier.compile(epsilon=bad)
 

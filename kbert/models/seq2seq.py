@@ -357,7 +357,7 @@ class BertSeq2SeqLM(Task):
         their updates come out 20-40x smaller, and BERT2BERT on WikiSplit
         stalls at loss 3.6 where 1e-8 reaches 2.5 (benchmarks/RESULTS.md).
         UniLM has no new attention and scored 0.85 SARI higher with 1e-6."""
-        return 1e-6 if self.architecture == "unilm" else 1e-8
+        return super().adam_epsilon if self.architecture == "unilm" else 1e-8
 
     def set_backbone_training(self, freeze_backbone):
         super().set_backbone_training(freeze_backbone)

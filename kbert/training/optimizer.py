@@ -9,6 +9,7 @@ from kbert import backend
 from kbert.backend import keras_internals, trainer
 
 NO_DECAY = ("gamma", "beta", "bias")
+EPSILON = 1e-6  # Adam's epsilon in the original BERT's optimization.py
 
 
 @keras.saving.register_keras_serializable(package="kbert")
@@ -150,7 +151,7 @@ def create_optimizer(
     weight_decay=0.01,
     clipnorm=1.0,
     kind="adamw",
-    epsilon=1e-6,
+    epsilon=EPSILON,
 ):
     """AdamW (or LAMB) with the BERT schedule and weight-decay exclusions.
 

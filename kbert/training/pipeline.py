@@ -24,7 +24,7 @@ from kbert import backend
 from kbert.backend import keras_internals, trainer
 from kbert.training import batching, distribution, raw_text
 from kbert.training.callbacks import NonFiniteLossError, ResumableCheckpoint
-from kbert.training.optimizer import create_optimizer, exclude_from_weight_decay
+from kbert.training.optimizer import EPSILON, create_optimizer, exclude_from_weight_decay
 from kbert.utils import checks
 
 
@@ -60,7 +60,7 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
     token_targets = False
     token_outputs = False
     token_output_fill = 0.0
-    adam_epsilon = 1e-6  # `compile`'s default: the original BERT's
+    adam_epsilon = EPSILON  # `compile`'s default: the original BERT's
     targets_required = True
     targets_hint = "pass them as `y` (labels for texts, or target arrays for model inputs)"
     bucket_datasets = True

@@ -45,6 +45,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import distill  # noqa: E402  (benchmarks/distill.py: data, fine-tuning and scoring)
 
+SYSTEMS = ("transferred", "not_transferred")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -56,6 +58,12 @@ def parse_args(argv=None):
     p.add_argument("--embedding", type=int, default=128)
     p.add_argument("--normalization", default="no_norm", choices=["no_norm", "layer_norm"])
     p.add_argument("--distill-sequences", type=int, default=0, help="0: every corpus chunk")
+    p.add_argument(
+        "--task-text",
+        action="store_true",
+        help="also transfer and distil on the tasks' training texts (labels unused), "
+        "joined into chunks like the corpora: in-domain text",
+    )
     p.add_argument("--distill-length", type=int, default=128)
     p.add_argument("--distill-batch-size", type=int, default=32)
     p.add_argument("--pkt-epochs", type=int, default=2)
@@ -69,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument(
+        "--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="which to fine-tune"
+    )
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     args.transfer = 0  # distill.load_tasks: no unlabeled transfer set
@@ -84,6 +95,20 @@ def macs_per_token(backbone, length):
         width = getattr(block, "inner_dim", backbone.hidden_dim)
         total += 2 * length * width
     return total
+
+
+def task_text_chunks(args, words):
+    """Every training text of the tasks (both sentences of a pair; labels
+    unused) joined in file order into chunks of about `words` words."""
+    chunks, current = [], []
+    for task in args.tasks:
+        texts, pairs, _ = distill.read_split(args, task, "train")
+        for i, text in enumerate(texts):
+            current += text.split() + (pairs[i].split() if pairs is not None else [])
+            if len(current) >= words:
+                chunks.append(" ".join(current[:words]))
+                current = []
+    return chunks
 
 
 def initial_student(teacher, args):
@@ -155,6 +180,10 @@ def main(argv=None):
     )
     if args.distill_sequences:
         corpus = corpus[: args.distill_sequences]
+    if args.task_text:
+        corpus += task_text_chunks(args, args.distill_length)
+        corpus = [corpus[i] for i in np.random.default_rng(2).permutation(len(corpus))]
+    report["transfer_sequences"] = len(corpus)
     x = {k: np.asarray(v) for k, v in preprocessor(corpus).items()}
     start = time.time()
     histories = progressive_transfer(
@@ -196,14 +225,14 @@ def main(argv=None):
     for seed in args.seeds:
         for task in args.tasks:
             for system, weights in (("transferred", transferred), ("not_transferred", initial)):
+                if system not in args.systems:
+                    continue
                 backbone = distill.copy_backbone(student, weights)
                 scores, _ = distill.train(system, backbone, None, task, args, seed, data)
                 runs.append({"task": task, "system": system, "seed": seed, **scores})
                 print(runs[-1], flush=True)
                 report["runs"] = runs
-                report["summary"] = distill.summarise(
-                    runs, args.tasks, ["transferred", "not_transferred"]
-                )
+                report["summary"] = distill.summarise(runs, args.tasks, args.systems)
                 if args.output:
                     with open(args.output, "w") as f:
                         json.dump(report, f, indent=2)

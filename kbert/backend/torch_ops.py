@@ -41,6 +41,7 @@ def onednn_inference(x):
         and x.dtype == torch.float32
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )

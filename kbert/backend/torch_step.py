@@ -37,7 +37,7 @@ import keras
 import numpy as np
 import torch
 
-from kbert.backend import keras_internals, torch_ddp, torch_ops, torch_triton
+from kbert.backend import keras_internals, torch_ddp, torch_ops, torch_trace, torch_triton
 from kbert.backend.state import state_of
 
 
@@ -876,9 +876,10 @@ def predict_context(model):
 
 def task_predict_step(model, keras_predict_step, data):
     """A task's predict step on torch: the graphed forward inside a
-    graphed predict, else Keras' step."""
-    graphed = getattr(model, "graphed_forward", None)
-    if graphed is None:
+    graphed predict, the traced forward on a CPU
+    (`kbert.backend.torch_trace`), else Keras' step."""
+    forward = getattr(model, "graphed_forward", None) or torch_trace.forward_of(model)
+    if forward is None:
         return keras_predict_step(data)
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-    return graphed(x)
+    return forward(x)

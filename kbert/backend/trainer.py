@@ -33,7 +33,7 @@ from kbert.backend import tensorflow as tf_backend
 from kbert.backend.state import state_of  # noqa: F401  (what the trainer keeps on a model)
 
 if backend.is_torch():
-    from kbert.backend import torch_ddp, torch_ops, torch_step
+    from kbert.backend import torch_ddp, torch_ops, torch_step, torch_trace
 
 # A training run (its optimizer's schedule, else its `fit`), `evaluate`
 # or `predict` of at least this many steps gets XLA's autotuned programs
@@ -115,6 +115,12 @@ def predict_context(model):
     """Around a `predict`: on torch with a GPU, the forward replayed as a
     CUDA graph per shape."""
     return torch_step.predict_context(model) if backend.is_torch() else contextlib.nullcontext()
+
+
+def traces_inference(model):
+    """Whether small inference batches replay TorchScript traces (torch on
+    a CPU: `kbert.backend.torch_trace`)."""
+    return backend.is_torch() and torch_trace.enabled(model)
 
 
 def warm_up(model):

@@ -87,6 +87,17 @@ def default_multiple(model=None):
     return MULTIPLE if compiles_per_shape(model) else 1
 
 
+def batch_multiple(model=None):
+    """The multiple `predict_on_batch` pads to: `default_multiple`, except
+    `MULTIPLE` where small batches replay traces (torch on a CPU,
+    `kbert.backend.torch_trace`): one trace per bucket, not per length.
+    Larger batches run eagerly there and drop the padding inside each
+    block."""
+    if trainer.traces_inference(model):
+        return MULTIPLE
+    return default_multiple(model)
+
+
 def predict_multiple(model=None):
     """The multiple `bucket_lengths=True` means in `predict`:
     `ACCELERATOR_PREDICT_MULTIPLE` for JAX on a GPU or TPU, elsewhere
@@ -553,15 +564,16 @@ def splits_batches(model=None):
     return not is_torch() and not on_accelerator()
 
 
-def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
+def length_groups(x, multiple=MULTIPLE, limit=None, split=True, cut=False):
     """A model-input batch -> [(rows, length)]: groups of its rows (index
     arrays, sorted by length) that together hold each row once, each with
     its bucket length: the fewest groups with the least work (rows x
     length). One group, all rows at the bucket of the batch's length,
     without `split` or where that saves less than `SPLIT_MIN_SAVING`; with
-    `multiple` 1 (a backend that runs any length without compiling it:
-    `default_multiple`) that one group is cut to the batch's longest row,
-    as transformers' dynamic padding does."""
+    `cut` or `multiple` 1 (a backend that runs any length without compiling
+    it: `default_multiple`) that one group is cut to the bucket of the
+    batch's longest row (with 1: that row's length, as transformers'
+    dynamic padding does)."""
     full = int(np.shape(x["padding_mask"])[-1])
     limit = limit or full + multiple
     rows = len(x["padding_mask"])
@@ -569,8 +581,8 @@ def length_groups(x, multiple=MULTIPLE, limit=None, split=True):
     if rows == 0:
         return whole
     needed = needed_lengths(x)
-    if multiple == 1:
-        whole = [(np.arange(rows), max(int(needed.max()), 1))]
+    if multiple == 1 or cut:
+        whole = [(np.arange(rows), max(bucket_length(needed.max(), limit, multiple), 1))]
     if not split:
         return whole
     order = np.argsort(needed, kind="stable")

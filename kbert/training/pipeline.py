@@ -55,6 +55,12 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
     - `packs_rows`: `fit` may pack several examples per row
       (`batching.PackedBatches`; per-example outputs only).
     - `adam_epsilon`: the epsilon of `compile`'s "adamw" and "lamb".
+
+    A setting users change on a model:
+    - `trace_inference` ("auto", True or False): on torch on a CPU, small
+      `predict` / `predict_on_batch` batches replay TorchScript traces of
+      the forward (`kbert.backend.torch_trace`); "auto" where `call` and
+      `predict_step` are Keras' or kbert's, True for any, False never.
     """
 
     token_targets = False
@@ -65,6 +71,7 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
     targets_hint = "pass them as `y` (labels for texts, or target arrays for model inputs)"
     bucket_datasets = True
     packs_rows = False
+    trace_inference = "auto"
 
     def input_limits(self):
         raise NotImplementedError(f"{type(self).__name__} must define input_limits()")
@@ -410,9 +417,10 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
         checks.check_model_inputs(x, **self.input_limits())
         groups = batching.length_groups(
             x,
-            batching.default_multiple(self),
+            batching.batch_multiple(self),
             self.input_limits()["max_sequence_length"],
             split=batching.splits_batches(self),
+            cut=trainer.traces_inference(self),
         )
 
         def restore(out, full):

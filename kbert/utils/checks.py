@@ -40,6 +40,7 @@ def is_concrete(x):
             isinstance(x, torch.Tensor)
             and not x.is_meta  # shapes only: Keras' symbolic build runs the model on these
             and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()  # a trace would freeze the host read
             and not cuda_graph_capturing(x)
         )
     return False

@@ -19,6 +19,8 @@ top 128 principal directions, and the embedding projection maps the
 window's middle slot back (the initial embedding is the teacher's, rank
 128). Steps, as in the paper:
   1. progressive knowledge transfer on the corpora of benchmarks/distill.py
+     (with `--task-text`, also every training text of the tasks, labels
+     unused, joined into chunks the same way: in-domain text)
      (`kbert.models.progressive.progressive_transfer`): student block m
      learns teacher block ceil(m * 6 / L), feature-map MSE + attention KL,
      `--pkt-epochs` per block;

@@ -31,13 +31,33 @@ class PackedWeightCache:
         return self.packed
 
 
+_PLAIN = threading.local()
+
+
+@contextlib.contextmanager
+def plain_dense():
+    """Inside the block, the forward a TorchScript trace records
+    (`kbert.backend.torch_trace`): dense layers through
+    `torch.nn.functional.linear` (the tracer cannot record oneDNN's packed
+    product) on the padded batch (no `token_packing`), so that the eager
+    and the traced forward of a batch give the same bits."""
+    before = getattr(_PLAIN, "on", False)
+    _PLAIN.on = True
+    try:
+        yield
+    finally:
+        _PLAIN.on = before
+
+
 def onednn_inference(x):
     """Whether `x` takes oneDNN's packed-weight product: float32 on the CPU,
     without autograd, outside `torch.compile` (whose Inductor cannot lower
     the product on a weight packed outside its graph; it packs weights
-    itself), where torch has the op (torch 2.1-2.13 checked)."""
+    itself) and TorchScript traces (`plain_dense`), where torch has the op
+    (torch 2.1-2.13 checked)."""
     return (
-        x.device.type == "cpu"
+        not getattr(_PLAIN, "on", False)
+        and x.device.type == "cpu"
         and x.dtype == torch.float32
         and not torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
@@ -387,7 +407,7 @@ def token_packing(inputs, padding_mask):
     which a data-dependent token count would break."""
     if not isinstance(inputs, torch.Tensor) or inputs.device.type != "cpu" or inputs.ndim != 3:
         return None
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or getattr(_PLAIN, "on", False):
         return None  # a trace would freeze this batch's token count and groups
     mask = ops.convert_to_tensor(padding_mask)
     if tuple(mask.shape) != tuple(inputs.shape[:2]):

@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import torch
 
-from kbert.backend import keras_internals
+from kbert.backend import keras_internals, torch_ops
 
 # Batches of at most this many token positions (rows x length) are traced:
 # there the Python of an eager forward is a large share of the time. Larger
@@ -149,9 +149,11 @@ class TracedForward:
         tensors = tuple(v.value for v in self.model.weights)
         return self.model.dtype_policy.name, tuple(map(id, tensors)), tensors
 
-    def _eager(self, x):
+    def _eager(self, x, small=True):
+        """The eager forward; for a batch that is traced, with the products
+        its trace records (the same bits: `torch_ops.plain_dense`)."""
         self.eager_calls += 1
-        with torch.no_grad():
+        with torch.no_grad(), torch_ops.plain_dense() if small else contextlib.nullcontext():
             return self.model(x, training=False)
 
     def _record(self, x, tensors):
@@ -200,7 +202,7 @@ class TracedForward:
 
     def __call__(self, x):
         if self.failed or not _small(x):
-            return self._eager(x)
+            return self._eager(x, small=False)
         x = keras.tree.map_structure(
             lambda v: keras.ops.convert_to_tensor(v) if isinstance(v, np.ndarray) else v, x
         )

@@ -18,7 +18,7 @@ import math
 import keras
 from keras import ops
 
-from kbert.backend.ops import gather_positions, sublayer_call
+from kbert.backend.ops import gather_positions, sublayer_call, token_packing
 from kbert.layers.activations import canonical_activation, get_activation
 from kbert.layers.attention import MultiHeadSelfAttention, check_implementation_name
 from kbert.layers.config import ArgumentsConfig
@@ -443,37 +443,56 @@ class MobileBertBlock(ArgumentsConfig, keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, attention_mask, training=None):
-        run = sublayer_call  # layer(...), minus Keras' per-call overhead on torch
         mask = AttentionMask.of(attention_mask)
-        x = inputs  # (B, T, H)
+        packing = token_packing(inputs, mask.padding) if mask.kind == "padding" else None
+        if packing is None:
+            return self._block(inputs, mask, training)
+        # The real tokens only, as (n, H) rows (see `kbert.backend.ops`):
+        # every bottleneck and feed-forward network runs on them; attention
+        # on the padded batch. Padding positions keep their inputs.
+        tokens = packing.gather(inputs)
+        return packing.scatter(self._block(tokens, mask, training, packing), base=inputs)
+
+    def _attend(self, sources, mask, training, packing):
+        """Self-attention on `sources` (rows of the padded batch, or real
+        tokens brought back to it), its output in the same rows."""
+        if packing is not None:
+            sources = [packing.scatter(s) for s in sources]
+        # the description as a keyword: Keras takes only tensors positionally
+        out = sublayer_call(self.self_attention, *sources, attention_mask=mask, training=training)
+        return out if packing is None else packing.gather(out)
+
+    def _block(self, x, mask, training, packing=None):
+        """The block on rows x: (B, T, H), or (n, H) real tokens with
+        `packing`."""
+        run = sublayer_call  # layer(...), minus Keras' per-call overhead on torch
         if self.use_bottleneck:
             inner = run(
                 self.input_bottleneck_norm, run(self.input_bottleneck, x, training=training)
             )
         else:
             inner = x
-        # the description as a keyword: Keras takes only tensors positionally
         if self.shared_query_key:
             shared = run(
                 self.attention_bottleneck_norm, run(self.attention_bottleneck, x, training=training)
-            )  # (B, T, A)
-            attended = run(self.self_attention, shared, x, attention_mask=mask, training=training)
+            )  # (..., A)
+            attended = self._attend([shared, x], mask, training, packing)
         else:
             source = inner if self.use_bottleneck_attention else x
-            attended = run(self.self_attention, source, attention_mask=mask, training=training)
+            attended = self._attend([source], mask, training, packing)
         if not self.use_bottleneck:
             attended = run(self.dropout_layer, attended, training=training)
-        a = run(self.attention_norm, attended + inner)  # (B, T, A)
+        a = run(self.attention_norm, attended + inner)  # (..., A)
         for intermediate, output, norm in self._stacked_ffns():
             y = run(output, run(intermediate, a, training=training), training=training)
             a = run(norm, y + a)
-        y = run(self.intermediate_dense, a, training=training)  # (B, T, I)
-        y = run(self.output_dense, y, training=training)  # (B, T, A)
+        y = run(self.intermediate_dense, a, training=training)  # (..., I)
+        y = run(self.output_dense, y, training=training)  # (..., A)
         if not self.use_bottleneck:
             y = run(self.dropout_layer, y, training=training)
             return run(self.output_norm, y + a)
         a = run(self.output_norm, y + a)
-        y = run(self.output_bottleneck, a, training=training)  # (B, T, H)
+        y = run(self.output_bottleneck, a, training=training)  # (..., H)
         y = run(self.dropout_layer, y, training=training)
         return run(self.output_bottleneck_norm, y + x)
 

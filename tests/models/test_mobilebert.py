@@ -86,3 +86,74 @@ def test_a_bert_preset_is_not_taken_for_a_mobilebert(tmp_path):
     kbert.BertBackbone(**harness.TINY).save_to_preset(tmp_path / "bert")
     with pytest.raises(kbert.presets.PresetError, match="not a MobileBERT"):
         kbert.MobileBertBackbone.from_preset(tmp_path / "bert")
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},  # shared query/key bottleneck, values from the input (the checkpoint's)
+        {"key_query_shared_bottleneck": False, "use_bottleneck_attention": True},
+        {"use_bottleneck": False, "normalization": "layer_norm"},
+    ],
+)
+def test_block_on_packed_tokens_equals_the_padded_block(monkeypatch, variant):
+    """Where a backend packs a batch's real tokens (eager torch and
+    TensorFlow without XLA, on a CPU), the bottlenecks and feed-forward
+    networks run on them and attention on the padded batch: the real
+    tokens' outputs are the padded block's, forward and backward; the
+    padding rows pass through."""
+    from kbert.backend import ops as fused
+    from kbert.layers import mobilebert
+
+    rng = np.random.default_rng(0)
+    lengths = np.array([9, 1, 4, 2, 7, 3])
+    mask = (np.arange(9)[None] < lengths[:, None]).astype("int32")
+    mask[2] = mask[2, ::-1]  # padding first
+    x = rng.normal(size=(6, 9, 16)).astype("float32")
+    block = MobileBertBlock(4, 16, 24, attention_dropout=0.0, bottleneck_dim=8, **variant)
+    block.build(x.shape)
+    x_t, mask_t = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(mask)
+    name = keras.backend.backend()
+    packs = fused.token_packing_path(x_t, mask_t) == "packed"
+    assert packs == (name != "jax")
+    real = mask.astype(bool)
+
+    def run(packing):
+        with monkeypatch.context() as patch:
+            if not packing:
+                patch.setattr(mobilebert, "token_packing", lambda *args: None)
+            if name == "torch":
+                import torch
+
+                inputs = torch.tensor(x, requires_grad=True)
+                out = block(inputs, mask_t, training=True)
+                (out * torch.tensor(mask)[..., None] * torch.arange(16.0)).sum().backward()
+                grads = [inputs.grad.numpy()] + [
+                    v.value.grad.clone().numpy() for v in block.trainable_variables
+                ]
+                for v in block.trainable_variables:
+                    v.value.grad = None
+                return out.detach().numpy(), grads
+            if name == "tensorflow":
+                import tensorflow as tf
+
+                with tf.GradientTape() as tape:
+                    tape.watch(x_t)
+                    out = block(x_t, mask_t, training=True)
+                    loss = tf.reduce_sum(
+                        out * tf.cast(mask_t, "float32")[..., None] * tf.range(16.0)
+                    )
+                grads = tape.gradient(loss, [x_t, *block.trainable_variables])
+                return out.numpy(), [np.asarray(g) for g in grads]
+            return keras.ops.convert_to_numpy(block(x_t, mask_t)), []
+
+    packed, packed_grads = run(True)
+    padded, padded_grads = run(False)
+    np.testing.assert_allclose(packed[real], padded[real], atol=1e-5)
+    if packs:
+        np.testing.assert_array_equal(packed[~real], x[~real])
+    assert len(packed_grads) == len(padded_grads)
+    for a, b in zip(packed_grads, padded_grads):
+        if a.shape == x.shape:
+            a, b = a[real], b[real]
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

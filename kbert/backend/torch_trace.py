@@ -13,7 +13,8 @@ What a trace keeps and what it does not:
   references, not copies): `fit`, `assign` and `set_weights` change them in
   place and the next replay sees the change. A trace is dropped when the
   model's variables are other tensors than when it was recorded
-  (`quantize`, LoRA, a rebuilt layer) or its dtype policy changed.
+  (`quantize`, LoRA, a rebuilt layer: checked whenever torch has
+  registered new parameters anywhere) or its dtype policy changed.
 - Python decisions taken while recording are frozen: shapes (part of the
   signature) and nothing else may decide them. A new trace is checked once
   against the eager forward on the same shapes with another padding mask;
@@ -46,6 +47,20 @@ MAX_TRACED_TOKENS = 256
 # A perturbed padding mask must give the trace's outputs to this tolerance
 # (the same operations in the same order: equal up to float rounding).
 CHECK_TOLERANCE = 1e-4
+
+
+# Parameters registered with any torch module so far. Keras registers every
+# variable a built layer tracks (a layer built, quantized or given LoRA
+# weights registers new ones), so an unchanged count means unchanged
+# variables and the full check of a model's variables can be skipped.
+_REGISTRATIONS = [0]
+
+
+def _count_registration(module, name, parameter):
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
 def enabled(model):
@@ -141,6 +156,7 @@ class TracedForward:
         self.traces = collections.OrderedDict()  # signature -> traced function
         self.seen = set()
         self.state = None
+        self.checked = None  # (dtype policy, registrations) when `state` was last checked
         self.failed = None  # why tracing was given up, if it was
         self.recorded = self.replays = self.eager_calls = 0
 
@@ -206,11 +222,14 @@ class TracedForward:
         x = keras.tree.map_structure(
             lambda v: keras.ops.convert_to_tensor(v) if isinstance(v, np.ndarray) else v, x
         )
-        name, ids, tensors = self._state()
-        if self.state != (name, ids):
-            self.traces.clear()
-            self.seen.clear()
-            self.state = (name, ids)
+        checked = (self.model.dtype_policy.name, _REGISTRATIONS[0])
+        if checked != self.checked:
+            name, ids, _ = self._state()
+            if self.state != (name, ids):
+                self.traces.clear()
+                self.seen.clear()
+                self.state = (name, ids)
+            self.checked = checked
         signature = _signature(x)
         trace = self.traces.get(signature)
         if trace is not None:
@@ -220,7 +239,7 @@ class TracedForward:
             self.seen.add(signature)
             return self._eager(x)
         try:
-            trace = self._record(x, tensors)
+            trace = self._record(x, self._state()[2])
             why = self._agrees(trace, x)
         except Exception as error:  # a forward that cannot be traced runs eagerly
             why = f"{type(error).__name__}: {str(error)[:300]}"

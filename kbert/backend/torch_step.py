@@ -864,7 +864,8 @@ def predict_context(model):
             and not _defined_by_keras_or_kbert([type(model).call, type(model).predict_step])
         )
     ):
-        yield
+        with torch_trace.eager_during(model):
+            yield
         return
     model.graphed_forward = GraphedForward(model)
     try:

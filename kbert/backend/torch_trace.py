@@ -22,10 +22,13 @@ What a trace keeps and what it does not:
   attention counts global tokens that way, and is never traced) fails that
   check, warns, and runs eagerly from then on.
 
-A signature runs eagerly the first time it is seen and is traced the
-second time, so a one-off shape costs no recording (about a second for
-MobileBERT, 0.3 s for MiniLM on one core). Traces are kept across `predict`
-calls, the most recently used `MAX_TRACES`. `model.trace_inference = False`
+Traces serve `predict_on_batch` (a batch of at most `MAX_TRACED_TOKENS`
+positions), the latency path: a signature runs eagerly the first time it
+is seen and is traced the second time, so a one-off shape costs no
+recording (about a second for MobileBERT, 0.2 s for MiniLM on one core).
+Traces are kept across calls, the most recently used `MAX_TRACES`. A whole
+`predict` runs eagerly (`eager_during`): its batches, in length order, are
+too few per shape to pay for recordings. `model.trace_inference = False`
 turns the whole thing off. Figures: `benchmarks/RESULTS.md`.
 """
 
@@ -87,10 +90,25 @@ def enabled(model):
     return True
 
 
+@contextlib.contextmanager
+def eager_during(model):
+    """No traces for `model` inside the block: what a whole `predict` runs
+    in. Its batches come in length order, many lengths a few batches
+    each, so recording them (about a second each for MobileBERT) would
+    cost more than their Python; traces serve repeated `predict_on_batch`
+    calls, the latency path."""
+    before = model.__dict__.get("_traces_paused", False)
+    object.__setattr__(model, "_traces_paused", True)
+    try:
+        yield
+    finally:
+        object.__setattr__(model, "_traces_paused", before)
+
+
 def forward_of(model):
     """The model's `TracedForward` (made on first use), or None where
-    `enabled(model)` says no."""
-    if not enabled(model):
+    `enabled(model)` says no or traces are paused (`eager_during`)."""
+    if model.__dict__.get("_traces_paused") or not enabled(model):
         return None
     traced = getattr(model, "_traced_forward", None)
     if traced is None or traced.model is not model:

@@ -58,8 +58,8 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
 
     A setting users change on a model:
     - `trace_inference` ("auto", True or False): on torch on a CPU, small
-      `predict` / `predict_on_batch` batches replay TorchScript traces of
-      the forward (`kbert.backend.torch_trace`); "auto" where `call` and
+      `predict_on_batch` batches replay TorchScript traces of the forward
+      (`kbert.backend.torch_trace`); "auto" where `call` and
       `predict_step` are Keras' or kbert's, True for any, False never.
     """
 

@@ -59,10 +59,13 @@ def test_second_call_of_a_shape_replays_a_trace_with_the_eager_outputs():
     for _ in range(2):
         np.testing.assert_allclose(model.predict_on_batch(TEXTS), eager(model, TEXTS), atol=1e-5)
     assert stats(model)["recorded"] == 2
-    # predict() takes the same path for small batches
+    # a whole predict() runs eagerly: no recording, no replay
+    before = stats(model)
     np.testing.assert_allclose(
-        model.predict(TEXTS, batch_size=2, verbose=0), eager(model, TEXTS), atol=1e-5
+        model.predict(TEXTS * 4, batch_size=2, verbose=0), eager(model, TEXTS * 4), atol=1e-5
     )
+    after = stats(model)
+    assert (after["recorded"], after["replays"]) == (before["recorded"], before["replays"])
 
 
 def test_in_place_weight_changes_reach_the_trace_and_new_variables_drop_it():

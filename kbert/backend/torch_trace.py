@@ -178,6 +178,13 @@ class TracedForward:
         self.failed = None  # why tracing was given up, if it was
         self.recorded = self.replays = self.eager_calls = 0
 
+    def __deepcopy__(self, memo):
+        """A copied model starts without traces: its copies of the weights
+        are other tensors."""
+        import copy
+
+        return TracedForward(copy.deepcopy(self.model, memo))
+
     def _state(self):
         """What a trace depends on besides the input signature."""
         tensors = tuple(v.value for v in self.model.weights)

@@ -4,6 +4,7 @@ in place, traces dropped when the model's variables are other tensors,
 and an eager fallback with a warning where a trace cannot stand for the
 forward."""
 
+import copy
 import warnings
 
 import keras
@@ -59,6 +60,11 @@ def test_second_call_of_a_shape_replays_a_trace_with_the_eager_outputs():
     for _ in range(2):
         np.testing.assert_allclose(model.predict_on_batch(TEXTS), eager(model, TEXTS), atol=1e-5)
     assert stats(model)["recorded"] == 2
+    # a deep copy starts without traces (its weights are other tensors)
+    clone = copy.deepcopy(model)
+    copied = clone.__dict__.get("_traced_forward")
+    assert (copied is None or copied.stats()["traces"] == 0) and stats(model)["traces"] == 2
+    np.testing.assert_array_equal(clone.predict_on_batch(["a b"]), first)
     # a whole predict() runs eagerly: no recording, no replay
     before = stats(model)
     np.testing.assert_allclose(

@@ -30,7 +30,6 @@ in place. Figures: `benchmarks/RESULTS.md`.
 
 import contextlib
 import threading
-import types
 import warnings
 
 import keras
@@ -431,17 +430,6 @@ def host_batches(force=False):
         yield
 
 
-def _signature(data):
-    """The structure, shapes and dtypes of a batch, hashable: a captured
-    graph replays only batches with the same signature."""
-    structure = keras.tree.map_structure(lambda v: None, data)
-    leaves = tuple(
-        (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else repr(v)
-        for v in keras.tree.flatten(data)
-    )
-    return repr(structure), leaves
-
-
 def _graph_safe_optimizer(optimizer):
     """Whether `optimizer`'s update is known to be capturable: kbert's AdamW
     (no host-device copies; step count and bias corrections on the device)
@@ -458,20 +446,6 @@ def _graph_safe_optimizer(optimizer):
     )
 
 
-def _defined_by_keras_or_kbert(obj):
-    """A loss/metric spec made only of strings and of functions or objects
-    whose class Keras or kbert defines: pure functions of their tensors, so
-    a replay computes what a fresh call would."""
-    if obj is None or isinstance(obj, str):
-        return True
-    if isinstance(obj, dict):
-        return all(_defined_by_keras_or_kbert(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return all(_defined_by_keras_or_kbert(v) for v in obj)
-    module = obj.__module__ if isinstance(obj, types.FunctionType) else type(obj).__module__
-    return (module or "").startswith(("keras.", "kbert."))
-
-
 def user_code_in_step(model):
     """Whether the training step runs code of the user's (a loss, a metric,
     an overridden `compute_loss`/`train_step`/`compute_metrics`): a graph
@@ -481,7 +455,7 @@ def user_code_in_step(model):
         getattr(type(model), name)
         for name in ("compute_loss", "train_step", "compute_metrics", "call")
     ]
-    return not _defined_by_keras_or_kbert(compiled + methods)
+    return not torch_trace.defined_by_keras_or_kbert(compiled + methods)
 
 
 def cuda_graph_supported(model, force=False):
@@ -629,7 +603,7 @@ class GraphedTrainStep(_GraphsPerShape):
     def __call__(self, data):
         # a batch with segments and one without are two graphs
         segments = segments_apply(data)
-        signature = (*_signature(data), segments)
+        signature = (*torch_trace.batch_signature(data), segments)
         captured = self.graphs.get(signature)
         if captured is not None:
             graph, static_inputs, static_logs = captured
@@ -829,7 +803,7 @@ class GraphedForward(_GraphsPerShape):
         )
 
     def __call__(self, x):
-        signature = _signature(x)
+        signature = torch_trace.batch_signature(x)
         if signature in self.graphs:
             return self._replay(signature, x)
         if self.failed or len(self.graphs) >= self.MAX_GRAPHS:
@@ -861,7 +835,9 @@ def predict_context(model):
         or getattr(model, "jit_compile", False) is True
         or (
             graph == "auto"
-            and not _defined_by_keras_or_kbert([type(model).call, type(model).predict_step])
+            and not torch_trace.defined_by_keras_or_kbert(
+                [type(model).call, type(model).predict_step]
+            )
         )
     ):
         with torch_trace.eager_during(model):

@@ -34,6 +34,7 @@ turns the whole thing off. Figures: `benchmarks/RESULTS.md`.
 
 import collections
 import contextlib
+import types
 import warnings
 
 import keras
@@ -66,6 +67,31 @@ def _count_registration(module, name, parameter):
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
+def batch_signature(data):
+    """The structure, shapes and dtypes of a batch, hashable: a captured
+    graph or a trace replays only batches with the same signature."""
+    structure = keras.tree.map_structure(lambda v: None, data)
+    leaves = tuple(
+        (tuple(v.shape), str(v.dtype)) if hasattr(v, "shape") else repr(v)
+        for v in keras.tree.flatten(data)
+    )
+    return repr(structure), leaves
+
+
+def defined_by_keras_or_kbert(obj):
+    """A loss/metric spec made only of strings and of functions or objects
+    whose class Keras or kbert defines: pure functions of their tensors, so
+    a replay computes what a fresh call would."""
+    if obj is None or isinstance(obj, str):
+        return True
+    if isinstance(obj, dict):
+        return all(defined_by_keras_or_kbert(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(defined_by_keras_or_kbert(v) for v in obj)
+    module = obj.__module__ if isinstance(obj, types.FunctionType) else type(obj).__module__
+    return (module or "").startswith(("keras.", "kbert."))
+
+
 def enabled(model):
     """Whether `model`'s predict runs through `TracedForward`: torch on a
     CPU, `model.trace_inference` not False, no torch.compile, no windowed
@@ -83,11 +109,9 @@ def enabled(model):
     backbone = getattr(model, "backbone", None)
     if getattr(backbone, "attention_window", None):
         return False
-    if setting == "auto":
-        methods = (type(model).call, type(model).predict_step)
-        if not all(m.__module__.startswith(("keras.", "kbert.")) for m in methods):
-            return False
-    return True
+    return setting != "auto" or defined_by_keras_or_kbert(
+        [type(model).call, type(model).predict_step]
+    )
 
 
 @contextlib.contextmanager
@@ -116,15 +140,6 @@ def forward_of(model):
         # not a Keras-tracked attribute: set on the instance's dict
         object.__setattr__(model, "_traced_forward", traced)
     return traced
-
-
-def _signature(x):
-    structure = keras.tree.map_structure(lambda v: None, x)
-    leaves = tuple(
-        (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else repr(v)
-        for v in keras.tree.flatten(x)
-    )
-    return repr(structure), leaves
 
 
 def _small(x):
@@ -242,7 +257,7 @@ class TracedForward:
         )
 
     def __call__(self, x):
-        if self.failed or not _small(x):
+        if not _small(x):
             return self._eager(x, small=False)
         x = keras.tree.map_structure(
             lambda v: keras.ops.convert_to_tensor(v) if isinstance(v, np.ndarray) else v, x
@@ -255,7 +270,7 @@ class TracedForward:
                 self.seen.clear()
                 self.state = (name, ids)
             self.checked = checked
-        signature = _signature(x)
+        signature = batch_signature(x)
         trace = self.traces.get(signature)
         if trace is not None:
             self.traces.move_to_end(signature)

@@ -509,7 +509,7 @@ def test_cuda_graph_signature_is_hashable_and_tells_shapes_apart():
     """A captured graph is looked up by its batch's signature: a (dict,
     dict) batch must give a hashable key, equal for the same shapes and
     dtypes and different when a shape, a dtype or a key differs."""
-    from kbert.backend.torch_step import _signature
+    from kbert.backend.torch_trace import batch_signature as _signature
 
     def make(length, dtype="int32", key="token_ids"):
         x = {key: np.zeros((2, length), dtype), "padding_mask": np.ones((2, length), "int32")}

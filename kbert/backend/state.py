@@ -17,6 +17,8 @@ class TrainerState:
         compile_log: list or None. programs compiled ahead (`jax_compile`).
         first_programs: the training step's `FirstPrograms`, or None.
         ahead_predict: the predict step's `AheadPredict`, or None.
+        predict_on_batch: what JAX `predict_on_batch` keeps between calls
+            (`keras_internals.jax_predict_on_batch`), or None.
         ddp: the model's DistributedDataParallel wrapper, or None.
         ddp_synced: bool. process 0's weights broadcast and the dropout
             generator offset by the rank (torch-ddp).
@@ -33,6 +35,7 @@ class TrainerState:
         "compile_log",
         "first_programs",
         "ahead_predict",
+        "predict_on_batch",
         "ddp",
         "ddp_synced",
         "pending_rng",

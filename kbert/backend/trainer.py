@@ -75,6 +75,11 @@ class BackendTrainer(keras_internals.TrainerShims):
         with keras_internals.jax_jit_options(self, kind, wrap):
             return make(force)
 
+    def predict_on_batch(self, x):
+        if backend.is_jax():
+            return keras_internals.jax_predict_on_batch(self, x, super().predict_on_batch)
+        return super().predict_on_batch(x)
+
     def train_step(self, *args, **kwargs):
         if backend.is_torch() and torch_step.runs_our_step(self):
             # Keras' torch step synchronises the GPU stream several times;

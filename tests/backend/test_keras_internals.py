@@ -362,3 +362,46 @@ def test_trainer_state_is_one_untracked_object_per_model():
     assert len(backbone.weights) == weights
     assert state.take("compile_log") == [backbone.weights[0]] and state.compile_log is None
     assert [k for k in vars(backbone) if k.startswith("_kbert")] == ["_kbert_state"]
+
+
+def test_jax_predict_on_batch_is_keras_predict_on_batch_as_the_model_changes():
+    """kbert's JAX `predict_on_batch` (variable lists kept between calls)
+    gives what Keras' own gives as the model changes under it: new weights,
+    a frozen backbone (other lists, at a new shape too), quantized layers;
+    the variables stay usable (nothing donated is left in them) and only
+    the changes re-take the lists."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX trainer only")
+    from kbert.backend.state import state_of
+
+    backbone = kbert.BertBackbone(**dict(TINY, max_sequence_length=64))
+    model = kbert.BertClassifier(backbone, num_classes=3)
+    x = tiny_batch(2)
+    x["token_ids"] = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], "int32")
+    x["padding_mask"] = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], "int32")
+
+    def both(batch):
+        ours = model.predict_on_batch(batch)
+        keras_own = keras.Model.predict_on_batch(model, batch)
+        np.testing.assert_allclose(ours, keras_own, rtol=1e-6, atol=1e-6)
+        return ours
+
+    first = both(x)
+    cache = state_of(model).predict_on_batch
+    key = cache.key
+    model.predict_on_batch(x)
+    assert state_of(model).predict_on_batch is cache and cache.key is key  # lists kept
+    weights = model.get_weights()
+    model.set_weights([w + 0.5 for w in weights])
+    assert np.abs(both(x) - first).max() > 1e-3  # new values read
+    model.backbone.trainable = False  # other lists, same variables
+    longer = {k: np.tile(v[:1], (2, 10)) for k, v in x.items()}  # 40 tokens: another bucket
+    both(longer)  # a new shape, first traced on the lists of before
+    assert cache.key != key
+    both(x)
+    model.backbone.trainable = True
+    floating = both(x)
+    model.quantize("int8")
+    assert np.abs(both(x) - floating).max() > 0  # the int8 layers ran
+    assert state_of(model).predict_on_batch is not cache  # Keras made a new step
+    assert all(np.isfinite(w).all() for w in model.get_weights() if w.dtype.kind == "f")

@@ -195,18 +195,14 @@ def int8_matmul_path(inputs=None, kernel=None):
 def int8_quantize(inputs, value_range=(-127, 127), epsilon=None):
     """Keras' per-row abs-max quantization of inputs (..., I) -> (int8
     values, (..., 1) scale), the quantizer of Keras' int8 `Dense`; on
-    TensorFlow without XLA (and outside `portable_graph`) one XLA-compiled
-    function instead of seven graph operations; on torch without making
-    device tensors of its constants (CUDA-graph capture)."""
+    torch without making device tensors of its constants (CUDA-graph
+    capture). TensorFlow runs Keras' graph operations: an XLA-compiled
+    function of them ran slower on a CPU at every size measured (one
+    launch per `Dense` costs more than the passes it saves: MobileBERT's
+    int8 batch-1 predict 70 ms against 91 ms)."""
     epsilon = keras.config.epsilon() if epsilon is None else epsilon
     if backend.is_torch():
         return torch_ops.int8_quantize_rows(inputs, value_range, epsilon)
-    if (
-        backend.is_tensorflow()
-        and not getattr(_PORTABLE, "depth", 0)
-        and tf_ops.int8_matmul_path() == "tf-onednn-int8"
-    ):
-        return tf_ops.int8_quantize_rows(inputs, value_range, epsilon)
     return keras.quantizers.abs_max_quantize(
         inputs, axis=-1, value_range=value_range, epsilon=epsilon
     )

@@ -248,25 +248,3 @@ def int8_matmul(inputs, kernel):
     lead = tf.shape(inputs)[:-1]
     out = _onednn_product(tf.reshape(inputs, (-1, tf.shape(inputs)[-1])), kernel)
     return tf.reshape(out, tf.concat([lead, tf.shape(kernel)[-1:]], 0))
-
-
-_XLA_QUANTIZE = {}
-
-
-def int8_quantize_rows(inputs, value_range, epsilon):
-    """Keras' `abs_max_quantize(inputs, axis=-1)` (per-row scale
-    value_range[1] / (max |x| + epsilon); round, clip, int8) as one
-    XLA-compiled function: without XLA TensorFlow makes a pass over the
-    inputs for each of its seven operations. Returns (int8 values, scale)."""
-    import tensorflow as tf
-
-    key = (tuple(value_range), float(epsilon))
-    if key not in _XLA_QUANTIZE:
-        low, high = value_range
-
-        def quantize(x):
-            scale = high / (tf.reduce_max(tf.abs(x), axis=-1, keepdims=True) + epsilon)
-            return tf.cast(tf.clip_by_value(tf.round(x * scale), low, high), tf.int8), scale
-
-        _XLA_QUANTIZE[key] = tf.function(quantize, jit_compile=True, autograph=False)
-    return _XLA_QUANTIZE[key](tf.convert_to_tensor(inputs))

@@ -3,7 +3,7 @@ classification on raw strings (tokenization included), batch 1 and batch
 32, float32 and int8, kbert on each Keras backend and transformers, in one
 run.
 
-    python benchmarks/mobilebert.py [--sentences 64] [--output out.json]
+    python benchmarks/mobilebert.py [--sentences 64] [--rounds 3] [--output out.json]
 
 Models (random weights with each checkpoint's structure, a 2-class head):
 MobileBERT as google/mobilebert-uncased (24 bottleneck blocks, H 512, A 128,
@@ -17,8 +17,11 @@ kbert's `model.quantize("int8")` and torch's dynamic quantization of every
 nn.Linear. Sentences are the first `--sentences` of GLUE SST-2 dev; batch 1
 times each sentence alone, batch 32 the sentences 32 at a time; a warm-up
 pass first (the compiled backends compile each length bucket there), then
-the median call. One process per system. Current figures:
-benchmarks/RESULTS.md.
+the median call over `--passes` timed passes. One process per system and
+round; `--rounds` rounds run the systems alternately (a 2-core virtual
+machine's speed drifts by a third from one minute to the next), and each
+figure is the median of its rounds, every round's value kept beside it.
+Current figures: benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -101,28 +104,29 @@ def prepare(args):
     return out
 
 
-def latency(classify, texts, batch_size):
-    """Median seconds of one call on `batch_size` sentences, after a warm-up
-    pass over the same calls."""
+def latency(classify, texts, batch_size, passes):
+    """Median seconds of one call on `batch_size` sentences over `passes`
+    passes, after a warm-up pass over the same calls."""
     batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
     for batch in batches:
         classify(batch)
     times = []
-    for batch in batches:
-        start = time.perf_counter()
-        classify(batch)
-        times.append(time.perf_counter() - start)
+    for _ in range(passes):
+        for batch in batches:
+            start = time.perf_counter()
+            classify(batch)
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def measure(classify_for, texts, quantize):
+def measure(classify_for, texts, quantize, passes):
     """{"float32": {...}, "int8": {...}}: median ms per call at batch 1 and 32."""
     out = {}
     for kind in ("float32", "int8"):
         if kind == "int8":
             quantize()
         classify = classify_for()
-        out[kind] = {f"batch_{b}_ms": 1000 * latency(classify, texts, b) for b in (1, 32)}
+        out[kind] = {f"batch_{b}_ms": 1000 * latency(classify, texts, b, passes) for b in (1, 32)}
     return out
 
 
@@ -141,6 +145,7 @@ def run_kbert(args):
             lambda: lambda batch: np.argmax(model.predict_on_batch(batch), -1),
             texts,
             lambda: model.quantize("int8"),
+            args.passes,
         )
         print(name, out[name], file=sys.stderr, flush=True)
     out["load_average_after"] = os.getloadavg()[0]
@@ -179,9 +184,30 @@ def run_transformers(args):
                 held["model"], {torch.nn.Linear}, dtype=torch.qint8
             )
 
-        out[name] = measure(classify_for, texts, quantize)
+        out[name] = measure(classify_for, texts, quantize, args.passes)
         print(name, out[name], file=sys.stderr, flush=True)
     out["load_average_after"] = os.getloadavg()[0]
+    return out
+
+
+def combine(runs, models):
+    """One system's rounds -> its figures: each the median of the rounds
+    that measured it, the rounds' values beside it (`..._ms_rounds`);
+    other fields as lists over the rounds."""
+    out = {"errors": [r["error"] for r in runs if "error" in r]}
+    runs = [r for r in runs if "error" not in r]
+    for key in runs[0] if runs else []:
+        if key not in models:
+            out[key] = [r.get(key) for r in runs]
+    for name in models:
+        for kind in ("float32", "int8"):
+            for key in runs[0].get(name, {}).get(kind, {}) if runs else []:
+                values = [r[name][kind][key] for r in runs]
+                figures = out.setdefault(name, {}).setdefault(kind, {})
+                figures[key] = statistics.median(values)
+                figures[key + "_rounds"] = values
+    if not out["errors"]:
+        del out["errors"]
     return out
 
 
@@ -191,6 +217,7 @@ def child(args, role, backend=None):
         env["KERAS_BACKEND"] = backend
     command = [sys.executable, __file__, "--child", role, "--workdir", args.workdir]
     command += ["--data", args.data, "--sentences", str(args.sentences), "--models", *args.models]
+    command += ["--passes", str(args.passes)]
     command += ["--tiny"] if args.tiny else []
     print(role, backend or "", file=sys.stderr, flush=True)
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
@@ -205,6 +232,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", default=DATA)
     parser.add_argument("--sentences", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each system")
+    parser.add_argument("--passes", type=int, default=2, help="timed passes per run")
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--tiny", action="store_true", help="small models: checks the script")
@@ -226,18 +255,23 @@ def main():
         "models": child(args, "prepare", "torch"),
         "results": {},
     }
-    for system in args.systems:
-        backend = system.split("-")[1] if system.startswith("kbert") else None
-        r = child(args, "kbert" if backend else "transformers", backend)
-        report["results"][system] = r
-        print(system, json.dumps(r))
+    rounds = {system: [] for system in args.systems}
+    for index in range(args.rounds):
+        for system in args.systems:
+            backend = system.split("-")[1] if system.startswith("kbert") else None
+            r = child(args, "kbert" if backend else "transformers", backend)
+            rounds[system].append(r)
+            print(f"round {index + 1}", system, json.dumps(r))
+    report["rounds"] = args.rounds
+    for system, runs in rounds.items():
+        report["results"][system] = combine(runs, args.models)
     base = report["results"].get("transformers", {})
     for system, r in report["results"].items():
         for name in args.models:
             for kind in ("float32", "int8"):
                 for key, value in list(r.get(name, {}).get(kind, {}).items()):
                     reference = base.get(name, {}).get(kind, {}).get(key)
-                    if reference and system != "transformers":
+                    if key.endswith("_ms") and reference and system != "transformers":
                         r[name][kind][key.replace("_ms", "_vs_transformers")] = value / reference
     with open(args.output, "w") as f:
         json.dump(report, f, indent=2)

@@ -28,8 +28,14 @@ window's middle slot back (the initial embedding is the teacher's, rank
      two backbones: the teacher has no MLM head, so hidden-state MSE over
      the same block pairs, and cosine on the last hidden states);
   3. fine-tuning on each task (benchmarks/distill.py's recipe and data).
-Scores: SST-2 dev accuracy, MRPC dev F1, for `transferred` (steps 1-3) and
-`not_transferred` (the same initialisation, step 3 only). Current figures:
+Scores: SST-2 dev accuracy, MRPC dev F1, for `transferred` (steps 1-3),
+`not_transferred` (the same initialisation, step 3 only) and
+`transferred_task` (steps 1-2, then task distillation in place of step 3:
+the teacher fine-tuned with the same seed gives soft labels at
+`--temperature` beside the labels, and on SST-2 also on `--transfer`
+unlabeled training sentences, exactly as benchmarks/distill.py's
+task-distilled 3-layer students; the teacher's own scores are reported as
+`teacher`). Current figures:
 benchmarks/RESULTS.md.
 """
 
@@ -47,7 +53,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import distill  # noqa: E402  (benchmarks/distill.py: data, fine-tuning and scoring)
 
-SYSTEMS = ("transferred", "not_transferred")
+SYSTEMS = ("transferred", "not_transferred", "transferred_task")
 
 
 def parse_args(argv=None):
@@ -78,13 +84,27 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--temperature", type=float, default=2.0, help="task distillation")
+    p.add_argument("--alpha-ce", type=float, default=1.0, help="task distillation soft labels")
+    p.add_argument(
+        "--transfer",
+        type=int,
+        default=8000,
+        help="task distillation on SST-2 also sees this many unlabeled SST-2 training "
+        "sentences outside the labeled subset (soft labels only)",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument(
-        "--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, help="which to fine-tune"
+        "--systems",
+        nargs="+",
+        default=["transferred", "not_transferred"],
+        choices=SYSTEMS,
+        help="which to fine-tune",
     )
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
-    args.transfer = 0  # distill.load_tasks: no unlabeled transfer set
+    if "transferred_task" not in args.systems:
+        args.transfer = 0  # distill.load_tasks: no unlabeled transfer set to encode
     return args
 
 
@@ -224,17 +244,32 @@ def main(argv=None):
 
     data = distill.load_tasks(args, preprocessor)
     runs = []
+    starts = {
+        "transferred": transferred,
+        "not_transferred": initial,
+        "transferred_task": transferred,
+    }
+    teacher_weights = teacher.get_weights()
+    systems = [s for s in SYSTEMS if s in args.systems]
+    if "transferred_task" in systems:
+        systems.insert(0, "teacher")
     for seed in args.seeds:
         for task in args.tasks:
-            for system, weights in (("transferred", transferred), ("not_transferred", initial)):
-                if system not in args.systems:
-                    continue
-                backbone = distill.copy_backbone(student, weights)
-                scores, _ = distill.train(system, backbone, None, task, args, seed, data)
+            teacher_model = None
+            for system in systems:
+                if system == "teacher":
+                    backbone = distill.copy_backbone(teacher, teacher_weights)
+                else:
+                    backbone = distill.copy_backbone(student, starts[system])
+                scores, model = distill.train(
+                    system, backbone, teacher_model, task, args, seed, data
+                )
+                if system == "teacher":
+                    teacher_model = model
                 runs.append({"task": task, "system": system, "seed": seed, **scores})
                 print(runs[-1], flush=True)
                 report["runs"] = runs
-                report["summary"] = distill.summarise(runs, args.tasks, args.systems)
+                report["summary"] = distill.summarise(runs, args.tasks, systems)
                 if args.output:
                     with open(args.output, "w") as f:
                         json.dump(report, f, indent=2)

@@ -14,9 +14,12 @@ once as a transformers directory and read by every system from it:
 `kbert.BertClassifier.from_preset(directory)` and
 `AutoModelForSequenceClassification.from_pretrained(directory)`. int8 is
 kbert's `model.quantize("int8")` and torch's dynamic quantization of every
-nn.Linear. Sentences are the first `--sentences` of GLUE SST-2 dev; batch 1
-times each sentence alone, batch 32 the sentences 32 at a time; a warm-up
-pass first (the compiled backends compile each length bucket there), then
+nn.Linear. `kbert-tensorflow-xla` is kbert on TensorFlow with
+`model.jit_compile = True` (XLA; Keras turns it off on a machine without a
+GPU or TPU): each new batch shape compiles, once, in the warm-up pass.
+Sentences are the first `--sentences` of GLUE SST-2 dev; batch 1 times
+each sentence alone, batch 32 the sentences 32 at a time; a warm-up pass
+first (the compiled backends compile each length bucket there), then
 the median call over `--passes` timed passes. One process per system and
 round; `--rounds` rounds run the systems alternately (a 2-core virtual
 machine's speed drifts by a third from one minute to the next), and each
@@ -37,7 +40,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "..", "shared", "data", "glue", "SST-2", "dev.tsv")
-SYSTEMS = ["transformers", "kbert-jax", "kbert-tensorflow", "kbert-torch"]
+SYSTEMS = ["transformers", "kbert-jax", "kbert-tensorflow", "kbert-tensorflow-xla", "kbert-torch"]
 MODELS = ["mobilebert", "bert-base", "minilm"]
 
 
@@ -137,10 +140,16 @@ def run_kbert(args):
     import kbert
 
     texts = sentences(args.data, args.sentences)
-    out = {"backend": keras.backend.backend(), "load_average": os.getloadavg()[0]}
+    out = {
+        "backend": keras.backend.backend(),
+        "jit_compile": args.jit_compile,
+        "load_average": os.getloadavg()[0],
+    }
     for name in args.models:
         model = kbert.BertClassifier.from_preset(os.path.join(args.workdir, name), num_classes=2)
         model.preprocessor.sequence_length = 128
+        if args.jit_compile:
+            model.jit_compile = True  # XLA: Keras' TensorFlow default only with a GPU or TPU
         out[name] = measure(
             lambda: lambda batch: np.argmax(model.predict_on_batch(batch), -1),
             texts,
@@ -211,7 +220,7 @@ def combine(runs, models):
     return out
 
 
-def child(args, role, backend=None):
+def child(args, role, backend=None, jit_compile=False):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="3")
     if backend:
         env["KERAS_BACKEND"] = backend
@@ -219,7 +228,8 @@ def child(args, role, backend=None):
     command += ["--data", args.data, "--sentences", str(args.sentences), "--models", *args.models]
     command += ["--passes", str(args.passes)]
     command += ["--tiny"] if args.tiny else []
-    print(role, backend or "", file=sys.stderr, flush=True)
+    command += ["--jit-compile"] if jit_compile else []
+    print(role, backend or "", "jit_compile" if jit_compile else "", file=sys.stderr, flush=True)
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if not line:
@@ -239,6 +249,9 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="small models: checks the script")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--child", default=None)
+    parser.add_argument(
+        "--jit-compile", action="store_true", help="(child) kbert with model.jit_compile = True"
+    )
     parser.add_argument("--output", default=os.path.join(HERE, "results", "mobilebert_cpu.json"))
     args = parser.parse_args()
     if args.child:
@@ -259,7 +272,8 @@ def main():
     for index in range(args.rounds):
         for system in args.systems:
             backend = system.split("-")[1] if system.startswith("kbert") else None
-            r = child(args, "kbert" if backend else "transformers", backend)
+            jit = system.endswith("-xla")
+            r = child(args, "kbert" if backend else "transformers", backend, jit)
             rounds[system].append(r)
             print(f"round {index + 1}", system, json.dumps(r))
     report["rounds"] = args.rounds

@@ -120,10 +120,17 @@ def attention_kl(teacher_scores, student_scores, padding_mask):
 def default_layer_map(teacher_layers, student_layers):
     """TinyBERT's uniform mapping g(m) = m * L_t / L_s (rounded down) for the
     student's blocks m = 1 .. L_s, as 1-based teacher block numbers (0 is the
-    embedding output).
+    embedding output). A student deeper than its teacher (MobileBERT's
+    thin blocks) rounds up instead, so that every student block learns a
+    teacher block: consecutive student blocks share one, the last learns
+    the teacher's last.
 
     Example:
     >>> default_layer_map(6, 3)
     [2, 4, 6]
+    >>> default_layer_map(2, 5)
+    [1, 1, 2, 2, 2]
     """
+    if student_layers > teacher_layers:
+        return [-(-m * teacher_layers // student_layers) for m in range(1, student_layers + 1)]
     return [m * teacher_layers // student_layers for m in range(1, student_layers + 1)]

@@ -97,6 +97,23 @@ def test_attention_score_mse_hand_computed():
 def test_default_layer_map():
     assert distillation.default_layer_map(6, 3) == [2, 4, 6]
     assert distillation.default_layer_map(4, 3) == [1, 2, 4]
+    # a student deeper than its teacher: every block learns a teacher block
+    assert distillation.default_layer_map(6, 11) == [1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    assert distillation.default_layer_map(3, 3) == [1, 2, 3]
+
+
+def test_student_deeper_than_the_teacher_distils_with_the_default_map():
+    """MobileBERT students have more (thinner) blocks than their teacher."""
+    teacher = kbert.BertClassifier(kbert.BertBackbone(**{**SMALL, "num_layers": 1}), num_classes=2)
+    student = kbert.BertClassifier(kbert.BertBackbone(**{**SMALL, "num_layers": 3}), num_classes=2)
+    distiller = kbert.BertDistiller(teacher, student, alpha_ce=1.0, alpha_task=1.0, alpha_cos=0.0)
+    assert distiller.layer_map == [1, 1, 1]
+    hidden = kbert.BertDistiller(teacher.backbone, student.backbone, alpha_hidden=1.0)
+    assert hidden.layer_map == [1, 1, 1]
+    x = harness.backbone_inputs(4, 8, SMALL["vocabulary_size"])
+    distiller.compile()
+    history = distiller.fit(x, np.array([0, 1, 1, 0]), batch_size=4, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
 
 
 # --- the student from the teacher ------------------------------------------

@@ -19,7 +19,8 @@ nn.Linear. `kbert-tensorflow-xla` is kbert on TensorFlow with
 GPU or TPU): each new batch shape compiles, once, in the warm-up pass.
 Sentences are the first `--sentences` of GLUE SST-2 dev; batch 1 times
 each sentence alone, batch 32 the sentences 32 at a time; a warm-up pass
-first (the compiled backends compile each length bucket there), then
+first (the compiled backends compile each length bucket there; its
+seconds are reported as `batch_N_first_pass_s`), then
 the median call over `--passes` timed passes. One process per system and
 round; `--rounds` rounds run the systems alternately (a 2-core virtual
 machine's speed drifts by a third from one minute to the next), and each
@@ -108,28 +109,36 @@ def prepare(args):
 
 
 def latency(classify, texts, batch_size, passes):
-    """Median seconds of one call on `batch_size` sentences over `passes`
-    passes, after a warm-up pass over the same calls."""
+    """(median seconds of one call on `batch_size` sentences over `passes`
+    passes, seconds of the warm-up pass over the same calls before them:
+    what the first pass costs, compilations included)."""
     batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
+    start = time.perf_counter()
     for batch in batches:
         classify(batch)
+    warm_up = time.perf_counter() - start
     times = []
     for _ in range(passes):
         for batch in batches:
             start = time.perf_counter()
             classify(batch)
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times), warm_up
 
 
 def measure(classify_for, texts, quantize, passes):
-    """{"float32": {...}, "int8": {...}}: median ms per call at batch 1 and 32."""
+    """{"float32": {...}, "int8": {...}}: median ms per call at batch 1 and
+    32, and the seconds of each size's first (warm-up) pass."""
     out = {}
     for kind in ("float32", "int8"):
         if kind == "int8":
             quantize()
         classify = classify_for()
-        out[kind] = {f"batch_{b}_ms": 1000 * latency(classify, texts, b, passes) for b in (1, 32)}
+        out[kind] = {}
+        for b in (1, 32):
+            seconds, warm_up = latency(classify, texts, b, passes)
+            out[kind][f"batch_{b}_ms"] = 1000 * seconds
+            out[kind][f"batch_{b}_first_pass_s"] = warm_up
     return out
 
 

@@ -599,9 +599,9 @@ def jax_predict_on_batch(model, x, keras_predict_on_batch):
     `trainable_variables` and `non_trainable_variables` (each a recursive
     walk of the layer tree) to make the step's state, donates the state to
     its jitted step, and gathers them again to write every returned value
-    back through `assign` (conversion, shape and dtype checks): about 6 ms
-    per call for MobileBERT's 1,092 variables on a CPU, a fifth of a
-    batch-1 prediction. Here the two lists are kept for as long as the
+    back through `assign` (conversion, shape and dtype checks): several
+    milliseconds per call for MobileBERT's 1,092 variables on a CPU, a
+    large part of a batch-1 prediction. Here the two lists are kept for as long as the
     layer tree's fingerprint (`_variables_fingerprint`) is unchanged. Where
     Keras' step is a plain `jax.jit` (no compiler options, no kbert
     wrapper: on a CPU) the step is jitted here without donating the

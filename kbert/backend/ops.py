@@ -196,10 +196,8 @@ def int8_quantize(inputs, value_range=(-127, 127), epsilon=None):
     """Keras' per-row abs-max quantization of inputs (..., I) -> (int8
     values, (..., 1) scale), the quantizer of Keras' int8 `Dense`; on
     torch without making device tensors of its constants (CUDA-graph
-    capture). TensorFlow runs Keras' graph operations: an XLA-compiled
-    function of them ran slower on a CPU at every size measured (one
-    launch per `Dense` costs more than the passes it saves: MobileBERT's
-    int8 batch-1 predict 70 ms against 91 ms)."""
+    capture). TensorFlow runs Keras' graph operations: on a CPU one XLA
+    launch per `Dense` for them costs more than the passes it saves."""
     epsilon = keras.config.epsilon() if epsilon is None else epsilon
     if backend.is_torch():
         return torch_ops.int8_quantize_rows(inputs, value_range, epsilon)

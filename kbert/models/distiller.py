@@ -399,7 +399,8 @@ class BertDistiller(Task):
         alpha_hidden: float. hidden-state (and embedding) MSE.
         alpha_attention: float. attention-score MSE.
         layer_map: list of int or None. the 1-based teacher block each
-            student block learns from; None: TinyBERT's g(m) = m * Lt / Ls.
+            student block learns from; None: TinyBERT's g(m) = m * Lt / Ls
+            (rounded up for a student deeper than its teacher).
 
     Example:
     >>> teacher = kbert.BertBackbone(100, 4, 2, 16, 32, max_sequence_length=16)

@@ -92,6 +92,15 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
+    add_task_distillation_arguments(p)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--time-limit", type=float, default=None, help="seconds; no new run after")
+    p.add_argument("--output", default=None)
+    return p.parse_args(argv)
+
+
+def add_task_distillation_arguments(p):
+    """The options of `train`'s task distillation (`*_task` systems)."""
     p.add_argument("--temperature", type=float, default=2.0, help="task distillation")
     p.add_argument("--alpha-ce", type=float, default=1.0, help="task distillation soft labels")
     p.add_argument(
@@ -101,10 +110,6 @@ def parse_args(argv=None):
         help="task distillation on SST-2 also sees this many unlabeled SST-2 training "
         "sentences outside the labeled subset (soft labels only: sample weight 0)",
     )
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--time-limit", type=float, default=None, help="seconds; no new run after")
-    p.add_argument("--output", default=None)
-    return p.parse_args(argv)
 
 
 def default_preset():

@@ -84,15 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--temperature", type=float, default=2.0, help="task distillation")
-    p.add_argument("--alpha-ce", type=float, default=1.0, help="task distillation soft labels")
-    p.add_argument(
-        "--transfer",
-        type=int,
-        default=8000,
-        help="task distillation on SST-2 also sees this many unlabeled SST-2 training "
-        "sentences outside the labeled subset (soft labels only)",
-    )
+    distill.add_task_distillation_arguments(p)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument(
         "--systems",

@@ -601,8 +601,8 @@ def jax_predict_on_batch(model, x, keras_predict_on_batch):
     its jitted step, and gathers them again to write every returned value
     back through `assign` (conversion, shape and dtype checks): several
     milliseconds per call for MobileBERT's 1,092 variables on a CPU, a
-    large part of a batch-1 prediction. Here the two lists are kept for as long as the
-    layer tree's fingerprint (`_variables_fingerprint`) is unchanged. Where
+    large part of a batch-1 prediction. Here the two lists are kept for as
+    long as the layer tree's fingerprint (`_variables_fingerprint`) is unchanged. Where
     Keras' step is a plain `jax.jit` (no compiler options, no kbert
     wrapper: on a CPU) the step is jitted here without donating the
     weights, so only the non-trainable state comes back and the

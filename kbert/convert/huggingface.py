@@ -745,6 +745,11 @@ def export_to_huggingface(model, directory, preprocessor=None):
             "quantize after loading it there"
         )
     backbone = getattr(model, "backbone", model)
+    if getattr(backbone, "global_projections", False):
+        raise ValueError(
+            f"{model.name}'s backbone has global projections (Longformer's), which a Hugging "
+            "Face BERT cannot hold; save it as a kbert preset (save_to_preset) instead"
+        )
     exporter = EXPORTERS.get(getattr(backbone, "backbone_type", None), _bert_export_state)
     state, config = exporter(model, task)
     os.makedirs(directory, exist_ok=True)

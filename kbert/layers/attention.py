@@ -155,6 +155,33 @@ def _cudnn(query, key, value, mask, scale, dropout):
     return kernels.cudnn_attention(query, key, value, mask.keep_keys(), scale)
 
 
+def global_rows(g_query, key, value, mask, select, context, scale, dropout):
+    """`context` (B, T, N, D) with the rows of the global tokens replaced:
+    each of the G global queries `g_query` (B, G, N, D) attends to every
+    key (B, S, N, D) its row's padding and segments allow. `select` is
+    `mask.global_selection(G)`, the one-hot (B, T, G) of the slots."""
+    batch, slots, length = ops.shape(select)[0], ops.shape(select)[2], ops.shape(key)[1]
+    select32 = ops.cast(select, "float32")
+    scores = ops.einsum("bgnd,bsnd->bngs", g_query, key)  # (B, N, G, S)
+    scores = ops.cast(scores, "float32") * scale
+    keep = ops.ones((batch, slots, length), "bool")
+    if mask.padding is not None:
+        keep = ops.logical_and(keep, mask.keep_keys()[:, None, :])
+    if mask.segments is not None:
+        segments = ops.cast(mask.segments, "float32")
+        g_segments = ops.einsum("btg,bt->bg", select32, segments)  # (B, G)
+        keep = ops.logical_and(keep, ops.equal(g_segments[:, :, None], segments[:, None, :]))
+    keep = ops.logical_or(keep, ops.logical_not(ops.any(keep, axis=-1, keepdims=True)))
+    scores = scores + (ops.cast(keep, "float32")[:, None] - 1.0) * 1e30
+    probs = ops.cast(ops.softmax(scores, axis=-1), g_query.dtype)
+    if dropout.rate:
+        probs = dropout.apply(probs)
+    g_context = ops.einsum("bngs,bsnd->bgnd", probs, value)  # (B, G, N, D)
+    g_context = ops.einsum("btg,bgnd->btnd", select, g_context)  # (B, T, N, D), zeros elsewhere
+    is_global = ops.cast(mask.global_tokens, "bool")[:, :, None, None]
+    return ops.where(is_global, g_context, context)
+
+
 register_attention("explicit", _explicit, lambda mask, dtype, rate: True)
 register_attention("keras", _keras, lambda mask, dtype, rate: not rate)
 register_attention(
@@ -189,6 +216,14 @@ class MultiHeadSelfAttention(ArgumentsConfig, keras.layers.Layer):
         initializer_range: float. stddev of the truncated-normal init.
         attention_implementation: str. a name in `ATTENTION_IMPLEMENTATIONS`,
             or "auto": the fastest that can take each call.
+        global_projections: bool. the global tokens of a mask
+            (`AttentionMask.global_tokens`) attend with projections of their
+            own (Longformer's `query_global`, `key_global`, `value_global`:
+            the Dense layers `global_query` and `global_key_value`): a
+            global token's output is its `global_query` projection's
+            attention over every token's `global_key_value` projections.
+            The other tokens see global keys through the shared `qkv`, as
+            in Longformer. False: one set of projections for all tokens.
 
     Example:
     >>> layer = MultiHeadSelfAttention(num_heads=2, hidden_dim=8)
@@ -197,6 +232,8 @@ class MultiHeadSelfAttention(ArgumentsConfig, keras.layers.Layer):
     (2, 5, 8)
     """
 
+    config_omitted = {"global_projections": False}
+
     def __init__(
         self,
         num_heads,
@@ -204,12 +241,17 @@ class MultiHeadSelfAttention(ArgumentsConfig, keras.layers.Layer):
         attention_dropout=0.1,
         initializer_range=0.02,
         attention_implementation="auto",
+        global_projections=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
         if hidden_dim % num_heads:
             raise ValueError(f"hidden_dim={hidden_dim} is not divisible by num_heads={num_heads}")
         check_implementation_name(attention_implementation)
+        if not isinstance(global_projections, bool):
+            raise ValueError(
+                f"global_projections must be True or False, got {global_projections!r}"
+            )
         self.store_arguments(locals())
         self.head_dim = hidden_dim // num_heads
         init = truncated_normal(initializer_range)
@@ -222,10 +264,24 @@ class MultiHeadSelfAttention(ArgumentsConfig, keras.layers.Layer):
         self.probs_dropout = Dropout(
             attention_dropout, dtype=self.dtype_policy, name="probs_dropout"
         )
+        self.global_query = self.global_key_value = None
+        if global_projections:
+            self.global_query = Dense(
+                hidden_dim, kernel_initializer=init, dtype=self.dtype_policy, name="global_query"
+            )
+            self.global_key_value = Dense(
+                2 * hidden_dim,
+                kernel_initializer=init,
+                dtype=self.dtype_policy,
+                name="global_key_value",
+            )
 
     def build(self, inputs_shape, attention_mask_shape=None):
         self.qkv.build(inputs_shape)
         self.output_dense.build(tuple(inputs_shape[:-1]) + (self.hidden_dim,))
+        if self.global_projections:
+            self.global_query.build(inputs_shape)
+            self.global_key_value.build(inputs_shape)
         self.built = True
 
     def attention_path(self, training=None, attention_mask=None, dtype=None):
@@ -242,6 +298,8 @@ class MultiHeadSelfAttention(ArgumentsConfig, keras.layers.Layer):
         mask = AttentionMask.of(attention_mask)
         qkv = sublayer_call(self.qkv, inputs, training=training)  # (B, T, 3H)
         context = self._attend(qkv, mask, training)
+        if self.global_projections and mask.global_tokens is not None:
+            context = self._global_rows(inputs, context, mask, training)
         return sublayer_call(self.output_dense, context, training=training)
 
     def call_packed(self, tokens, packing, training=None):
@@ -280,6 +338,34 @@ class MultiHeadSelfAttention(ArgumentsConfig, keras.layers.Layer):
         )
         scale = 1.0 / math.sqrt(self.head_dim)
         context = implementation.attend(query, key, value, mask, scale, dropout)  # (B, T, N, D)
+        return ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
+
+    def _global_rows(self, inputs, context, mask, training):
+        """(B, T, H) `context` with the global tokens' rows from the global
+        projections: their queries (only theirs are projected) over every
+        token's global keys and values."""
+        slots = mask.global_slots()
+        if slots is None:
+            raise ValueError(
+                "global projections need a static number of global tokens: build the "
+                "AttentionMask with max_global=..."
+            )
+        batch, length = ops.shape(inputs)[0], ops.shape(inputs)[1]
+        heads = (self.num_heads, self.head_dim)
+        select = mask.global_selection(slots, inputs.dtype)  # (B, T, G)
+        g_inputs = ops.einsum("btg,bth->bgh", select, inputs)  # (B, G, H)
+        g_query = sublayer_call(self.global_query, g_inputs, training=training)
+        g_query = ops.reshape(g_query, (batch, slots, *heads))  # (B, G, N, D)
+        key_value = sublayer_call(self.global_key_value, inputs, training=training)  # (B, T, 2H)
+        key_value = ops.reshape(key_value, (batch, length, 2, *heads))  # (B, T, 2, N, D)
+        key, value = ops.unstack(key_value, num=2, axis=2)  # (B, T, N, D) each
+        rate = self.attention_dropout if training else 0.0
+        dropout = AttentionDropout(
+            rate, lambda probs: sublayer_call(self.probs_dropout, probs, training=training)
+        )
+        context = ops.reshape(context, (batch, length, *heads))  # (B, T, N, D)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        context = global_rows(g_query, key, value, mask, select, context, scale, dropout)
         return ops.reshape(context, (batch, length, self.hidden_dim))  # (B, T, H)
 
     def compute_output_shape(self, inputs_shape, attention_mask_shape=None):

@@ -34,17 +34,9 @@ NAME = "banded"
 
 
 def global_slots(mask):
-    """G: the static number of global slots a call needs (`max_global`, or
-    the most global tokens of any row where their values are known), or
-    None when it cannot be known."""
-    if mask.global_tokens is None:
-        return 0
-    if mask.max_global is not None:
-        return mask.max_global
-    if checks.is_concrete(mask.global_tokens):
-        counts = ops.convert_to_numpy(ops.sum(ops.cast(mask.global_tokens, "int32"), axis=1))
-        return max(1, int(counts.max()) if counts.size else 1)
-    return None
+    """G: the static number of global slots a call needs, or None when it
+    cannot be known (`AttentionMask.global_slots`)."""
+    return mask.global_slots()
 
 
 def supports(mask, dtype, rate):
@@ -146,14 +138,8 @@ def banded_attention(query, key, value, mask, scale, dropout):
     band_keys = 3 * size
 
     if slots:
-        # one-hot (B, T, G): token t fills slot j when it is the (j+1)-th global token of its row
-        rank = ops.cumsum(is_global, axis=1) - 1  # (B, T)
-        onehot = ops.logical_and(
-            ops.equal(rank[:, :, None], ops.arange(slots, dtype="int32")[None, None]),
-            ops.cast(is_global, "bool")[:, :, None],
-        )
-        select = ops.cast(onehot, query.dtype)  # (B, T, G)
-        select32 = ops.cast(onehot, "float32")
+        select = mask.global_selection(slots, query.dtype)  # (B, T, G) one-hot
+        select32 = ops.cast(select, "float32")
         g_query = ops.einsum("btg,btnd->bgnd", select, query)  # (B, G, N, D)
         g_key = ops.einsum("btg,btnd->bgnd", select, key)
         g_value = ops.einsum("btg,btnd->bgnd", select, value)
@@ -183,32 +169,17 @@ def banded_attention(query, key, value, mask, scale, dropout):
     if not slots:
         return context  # (B, T, N, D)
     # the global queries see every key (padding and segments apply)
-    g_all = ops.einsum("bgnd,bsnd->bngs", g_query, key)  # (B, N, G, T)
-    g_all = ops.cast(g_all, "float32") * scale
-    keep = ops.ones((batch, slots, length), "bool")
-    if mask.padding is not None:
-        keep = ops.logical_and(keep, ops.cast(real, "bool")[:, None, :])
-    if mask.segments is not None:
-        g_seg_q = ops.einsum("btg,bt->bg", select32, ops.cast(segments, "float32"))
-        keep = ops.logical_and(
-            keep, ops.equal(g_seg_q[:, :, None], ops.cast(segments, "float32")[:, None, :])
-        )
-    keep = ops.logical_or(keep, ops.logical_not(ops.any(keep, axis=-1, keepdims=True)))
-    g_all = g_all + (ops.cast(keep, "float32")[:, None] - 1.0) * 1e30
-    g_probs = ops.cast(ops.softmax(g_all, axis=-1), query.dtype)
-    if dropout.rate:
-        g_probs = dropout.apply(g_probs)
-    g_context = ops.einsum("bngs,bsnd->bgnd", g_probs, value)  # (B, G, N, D)
-    g_context = ops.einsum("btg,bgnd->btnd", select, g_context)  # (B, T, N, D), zeros elsewhere
-    return ops.where(ops.cast(is_global, "bool")[:, :, None, None], g_context, context)
+    return attention.global_rows(g_query, key, value, mask, select, context, scale, dropout)
 
 
 attention.register_attention(NAME, banded_attention, supports, auto_position=0)
 
 
-def check_window(attention_window, global_tokens):
+def check_window(attention_window, global_tokens, max_global_tokens=None, global_projections=False):
     """Raises a ValueError naming the setting unless `attention_window` is
-    None or a positive even int and `global_tokens` a non-negative int."""
+    None or a positive even int, `global_tokens` a non-negative int,
+    `max_global_tokens` None or a positive int and `global_projections` a
+    bool (True only with a window)."""
     if attention_window is not None and (
         not isinstance(attention_window, int)
         or isinstance(attention_window, bool)
@@ -225,12 +196,37 @@ def check_window(attention_window, global_tokens):
             f"global_tokens must be a non-negative int (the first tokens of each example that "
             f"attend everywhere; 1: [CLS]), got {global_tokens!r}"
         )
+    if max_global_tokens is not None and (
+        not isinstance(max_global_tokens, int)
+        or isinstance(max_global_tokens, bool)
+        or max_global_tokens < 1
+    ):
+        raise ValueError(
+            "max_global_tokens must be None or a positive int (the most global tokens a "
+            f"row's global_attention_mask may hold), got {max_global_tokens!r}"
+        )
+    if not isinstance(global_projections, bool):
+        raise ValueError(f"global_projections must be True or False, got {global_projections!r}")
+    if global_projections and attention_window is None:
+        raise ValueError(
+            "global_projections gives the global tokens of sliding-window attention "
+            "projections of their own; set attention_window too"
+        )
 
 
-def window_mask(padding_mask, attention_window, global_tokens, position_ids=None, segments=None):
+def window_mask(
+    padding_mask,
+    attention_window,
+    global_tokens,
+    position_ids=None,
+    segments=None,
+    global_mask=None,
+    max_global=None,
+):
     """The `AttentionMask` of sliding-window attention: each token sees
     `attention_window // 2` tokens on each side; the first `global_tokens`
-    tokens of each example ([CLS] for 1) see and are seen by every token.
+    tokens of each example ([CLS] for 1), or the tokens `global_mask`
+    marks, see and are seen by every token.
 
     Args:
         padding_mask: int tensor (B, T). 1 for real tokens.
@@ -240,6 +236,12 @@ def window_mask(padding_mask, attention_window, global_tokens, position_ids=None
         position_ids: int tensor (B, T) or None. each token's position in
             its example, for rows holding several (`segments` then says which).
         segments: int tensor (B, T) or None. the example of each token.
+        global_mask: int tensor (B, T) or None. 1 for global tokens, in
+            place of the `global_tokens` rule (padding is never global).
+        max_global: int or None. the static number of global slots; a row
+            of `global_mask` with more keeps its first `max_global` (the
+            others attend locally). None: `global_tokens` for the rule;
+            counted from `global_mask`'s values where they are known.
 
     Example:
     >>> import numpy as np
@@ -250,7 +252,24 @@ def window_mask(padding_mask, attention_window, global_tokens, position_ids=None
     parts = {"padding": padding_mask, "window": attention_window // 2}
     if segments is not None:
         parts["segments"] = segments
-    if global_tokens:
+    if global_mask is not None:
+        is_global = ops.logical_and(
+            ops.cast(global_mask, "bool"), ops.cast(padding_mask, "bool")
+        )  # (B, T)
+        is_global = ops.cast(is_global, "int32")
+        if max_global is None and not checks.is_concrete(is_global):
+            raise ValueError(
+                "a global_attention_mask inside a compiled call needs a static number of "
+                "global tokens: set max_global_tokens on the backbone"
+            )
+        if max_global is not None:
+            # the first max_global of each row: the slots the kernels gather into
+            is_global = is_global * ops.cast(
+                ops.less_equal(ops.cumsum(is_global, axis=1), max_global), "int32"
+            )
+            parts["max_global"] = max_global
+        parts["global_tokens"] = is_global
+    elif global_tokens:
         if position_ids is None:
             position_ids = ops.cumsum(ops.ones_like(padding_mask), axis=1) - 1  # (B, T)
             parts["max_global"] = global_tokens

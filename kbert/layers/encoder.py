@@ -44,6 +44,8 @@ class TransformerEncoderBlock(ArgumentsConfig, keras.layers.Layer):
         adapter_size: int or None. width of the bottleneck adapters inserted
             after the attention and feed-forward outputs (Houlsby et al.).
         attention_implementation: str. see `kbert.layers.attention`.
+        global_projections: bool. separate projections for global tokens
+            (Longformer's; see `kbert.layers.attention.MultiHeadSelfAttention`).
 
     `attention_mask` is a (B, T) padding mask, or an `AttentionMask` or a
     dict of its parts given as a keyword argument.
@@ -54,7 +56,7 @@ class TransformerEncoderBlock(ArgumentsConfig, keras.layers.Layer):
     (1, 3, 8)
     """
 
-    config_omitted = {"attention_implementation": "auto"}
+    config_omitted = {"attention_implementation": "auto", "global_projections": False}
 
     def __init__(
         self,
@@ -68,6 +70,7 @@ class TransformerEncoderBlock(ArgumentsConfig, keras.layers.Layer):
         initializer_range=0.02,
         adapter_size=None,
         attention_implementation="auto",
+        global_projections=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -81,6 +84,7 @@ class TransformerEncoderBlock(ArgumentsConfig, keras.layers.Layer):
             attention_dropout=attention_dropout,
             initializer_range=initializer_range,
             attention_implementation=attention_implementation,
+            global_projections=global_projections,
             dtype=policy,
             name="self_attention",
         )

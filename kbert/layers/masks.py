@@ -36,6 +36,8 @@ sequence's keys (T and S differ, no `segments`, `causal` or `window`).
 
 from keras import ops
 
+from kbert.utils import checks
+
 PARTS = ("padding", "segments", "prefix_lengths", "global_tokens")
 
 
@@ -171,6 +173,32 @@ class AttentionMask:
             allowed = ops.logical_and(allowed, self.keep_keys()[:, None, :])
         empty = ops.logical_not(ops.any(allowed, axis=-1, keepdims=True))
         return ops.logical_or(allowed, empty)
+
+    def global_slots(self):
+        """G: the static number of global slots a call needs (`max_global`,
+        or the most global tokens of any row where their values are known;
+        0 without global tokens), or None when it cannot be known."""
+        if self.global_tokens is None:
+            return 0
+        if self.max_global is not None:
+            return self.max_global
+        if checks.is_concrete(self.global_tokens):
+            counts = ops.convert_to_numpy(ops.sum(ops.cast(self.global_tokens, "int32"), axis=1))
+            return max(1, int(counts.max()) if counts.size else 1)
+        return None
+
+    def global_selection(self, slots, dtype="float32"):
+        """The one-hot (B, T, G) that gathers the global tokens into `slots`
+        slots: token t fills slot j when it is the (j+1)-th global token of
+        its row. An exact, differentiable gather and scatter (products with
+        it), the same op on every backend."""
+        is_global = ops.cast(ops.cast(self.global_tokens, "bool"), "int32")  # (B, T)
+        rank = ops.cumsum(is_global, axis=1) - 1  # (B, T)
+        onehot = ops.logical_and(
+            ops.equal(rank[:, :, None], ops.arange(slots, dtype="int32")[None, None]),
+            ops.cast(is_global, "bool")[:, :, None],
+        )
+        return ops.cast(onehot, dtype)
 
     def __repr__(self):
         parts = [p for p in PARTS if getattr(self, p) is not None]

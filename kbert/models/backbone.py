@@ -36,6 +36,10 @@ INPUTS = {
     "padding_mask": ("int32", True),
 }
 INPUT_NAMES = tuple(INPUTS)
+# A backbone with `attention_window` also takes this optional input (B, T):
+# 1 for the tokens that attend globally, in place of the `global_tokens`
+# rule (Longformer's `global_attention_mask`).
+GLOBAL_MASK = "global_attention_mask"
 # Rows that hold several examples each (`kbert.training.batching.PackedBatches`)
 # add `example_ids` (R, T) (which example of the batch a token belongs to,
 # from 1; 0 for padding), `position_ids` (R, T) (each example counts from 0)
@@ -77,8 +81,9 @@ def encoder_forward(
     builds the functional graph, and `BertBackbone.call` runs it for the
     strategies the graph cannot express (packed rows; `run_blocks`, a
     function (blocks, x, attention_mask, training) -> x, for the blocks as
-    one loop). `window`: (attention_window, global_tokens) for
-    sliding-window attention, or None."""
+    one loop). `window`: (attention_window, global_tokens, max_global) for
+    sliding-window attention (`window_mask`; `inputs` may hold a
+    `GLOBAL_MASK`), or None."""
     packed = is_packed(inputs)
     # `training` only where given: the functional graph takes it from the call
     kw = {} if training is None else {"training": training}
@@ -90,11 +95,15 @@ def encoder_forward(
             padding=inputs["padding_mask"], segments=inputs["example_ids"]
         )
     if window is not None:  # `kbert.layers.banded_attention`
+        attention_window, global_tokens, max_global = window
         attention_mask = window_mask(
             inputs["padding_mask"],
-            *window,
+            attention_window,
+            global_tokens,
             position_ids=inputs["position_ids"] if packed else None,
             segments=inputs["example_ids"] if packed else None,
+            global_mask=inputs.get(GLOBAL_MASK),
+            max_global=max_global,
         )
     states = [x]
     if run_blocks is not None:
@@ -191,6 +200,18 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             with a GPU "torch-flex"); None: full attention.
         global_tokens: int. with `attention_window`, the first this many
             tokens of each row see and are seen by every token (1: [CLS]).
+            An input `global_attention_mask` (B, T), 1 for the tokens that
+            attend globally (Longformer's), replaces this rule for a call.
+        max_global_tokens: int or None. with `attention_window`, the most
+            global tokens a row of `global_attention_mask` may hold: the
+            static size the window kernels gather them into, which compiled
+            calls (`predict`, `fit`) need. None: counted from the mask in
+            eager calls.
+        global_projections: bool. with `attention_window`, global tokens
+            attend with projections of their own (Longformer's
+            `query_global`, `key_global`, `value_global`); loading a
+            preset without them copies the local ones (Longformer's
+            conversion).
         dtype: str or `keras.DTypePolicy`. e.g. "float32", "mixed_bfloat16".
 
     Example:
@@ -229,6 +250,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         attention_implementation="auto",
         attention_window=None,
         global_tokens=1,
+        max_global_tokens=None,
+        global_projections=False,
         dtype=None,
         **kwargs,
     ):
@@ -260,7 +283,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
         activation = canonical_activation(activation)
         check_implementation_name(attention_implementation)
-        check_window(attention_window, global_tokens)
+        check_window(attention_window, global_tokens, max_global_tokens, global_projections)
         block_cls = block_class(block_type)
         if block_options is not None and not isinstance(block_options, dict):
             raise ValueError(f"block_options must be a dict or None, got {block_options!r}")
@@ -293,6 +316,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 attention_implementation=attention_implementation,
                 dtype=dtype,
                 name=name,
+                **({"global_projections": True} if global_projections else {}),
                 **(block_options or {}),
             )
 
@@ -338,6 +362,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.attention_implementation = attention_implementation
         self.attention_window = attention_window
         self.global_tokens = global_tokens
+        self.max_global_tokens = max_global_tokens
+        self.global_projections = global_projections
         self.block_type = block_type
         self.block_options = dict(block_options) if block_options else None
 
@@ -386,8 +412,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
 
     @property
     def window(self):
-        """(attention_window, global_tokens), or None for full attention."""
-        return (self.attention_window, self.global_tokens) if self.attention_window else None
+        """(attention_window, global_tokens, max_global) for `window_mask`,
+        or None for full attention."""
+        if not self.attention_window:
+            return None
+        return (self.attention_window, self.global_tokens, self.max_global_tokens)
 
     def can_loop_layers(self, inputs):
         """Whether `call` can run the blocks on `inputs` as one loop over
@@ -412,8 +441,19 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
 
     @property
     def token_inputs(self):
-        """The inputs with a token axis (`INPUTS`), which length buckets cut."""
-        return tuple(name for name, (_, tokens) in INPUTS.items() if tokens)
+        """The inputs with a token axis (`INPUTS`, and a windowed backbone's
+        `global_attention_mask`), which length buckets cut."""
+        names = tuple(name for name, (_, tokens) in INPUTS.items() if tokens)
+        return names + ((GLOBAL_MASK,) if self.attention_window else ())
+
+    def input_names_taken(self, inputs):
+        """The names of `inputs` a call uses: `INPUT_NAMES`, and a given
+        `global_attention_mask` (checked: only a windowed backbone takes one)."""
+        if isinstance(inputs, dict) and GLOBAL_MASK in inputs:
+            if not self.attention_window:
+                self._check_global_mask(inputs)  # raises, naming the fix
+            return INPUT_NAMES + (GLOBAL_MASK,)
+        return INPUT_NAMES
 
     @property
     def token_embedding(self):
@@ -441,25 +481,69 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         checks.check_model_inputs(
             inputs, self.vocabulary_size, self.type_vocab_size, self.max_sequence_length
         )
+        if GLOBAL_MASK in inputs:
+            self._check_global_mask(inputs)
+
+    def _check_global_mask(self, inputs):
+        """`global_attention_mask`: a windowed backbone's, the shape of
+        `token_ids`, 0/1, at most `window`'s max_global ones per row."""
+        if not self.attention_window:
+            raise ValueError(
+                f"{GLOBAL_MASK} says which tokens attend globally in sliding-window "
+                "attention; this backbone attends fully (load or build it with "
+                "attention_window=...)"
+            )
+        value = inputs[GLOBAL_MASK]
+        if tuple(value.shape) != tuple(inputs["token_ids"].shape):
+            raise ValueError(
+                f"{GLOBAL_MASK} has shape {tuple(value.shape)}, token_ids "
+                f"{tuple(inputs['token_ids'].shape)}: give one 0/1 per token"
+            )
+        if not checks.is_concrete(value):
+            return
+        value = np.asarray(ops.convert_to_numpy(value))
+        if value.size and not np.isin(value, (0, 1)).all():
+            raise ValueError(f"{GLOBAL_MASK} must hold 0 and 1 only")
+        real = np.asarray(ops.convert_to_numpy(inputs["padding_mask"])) != 0
+        most = int((value.astype(bool) & real).sum(axis=-1).max()) if value.size else 0
+        limit = self.max_global_tokens
+        if limit is not None and most > limit:
+            raise ValueError(
+                f"a row of {GLOBAL_MASK} holds {most} global tokens, more than the "
+                f"backbone's max_global_tokens={limit}; set max_global_tokens (e.g. "
+                f"from_preset(..., max_global_tokens={most}))"
+            )
 
     def __call__(self, inputs, *args, **kwargs):
         if is_packed(inputs):
             return super().__call__(inputs, *args, **kwargs)  # checked when packed
-        if isinstance(inputs, dict) and set(inputs) != set(INPUT_NAMES):
+        names = self.input_names_taken(inputs)
+        if isinstance(inputs, dict) and set(inputs) != set(names):
             missing = [name for name in INPUT_NAMES if name not in inputs]
             if missing:
                 raise ValueError(
                     f"inputs lack {missing}; BertBackbone takes a dict with {list(INPUT_NAMES)}"
                 )
-            inputs = {name: inputs[name] for name in INPUT_NAMES}  # ignore extra keys
+            inputs = {name: inputs[name] for name in names}  # ignore extra keys
         if not checks.host_checked():
             # eager calls on concrete values (traced ones are checked on the
             # host before fit / predict send them)
             self.check_inputs(inputs)
         return super().__call__(inputs, *args, **kwargs)
 
+    def _check_compiled_global_mask(self, x):
+        """A `global_attention_mask` reaching a compiled call (predict) needs
+        the static `max_global_tokens`; said here, on every backend."""
+        if isinstance(x, dict) and GLOBAL_MASK in x and self.max_global_tokens is None:
+            raise ValueError(
+                f"predict with a {GLOBAL_MASK} needs a static number of global tokens per "
+                "row: set max_global_tokens on the backbone (e.g. from_preset(..., "
+                "max_global_tokens=64)); calling the backbone eagerly counts them instead"
+            )
+
     def predict(self, x, *args, **kwargs):
         self.check_inputs(x)
+        self._check_compiled_global_mask(x)
         with checks.inputs_checked_on_host():
             return super().predict(x, *args, **kwargs)
 
@@ -472,6 +556,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         bucket (`kbert.training.batching.length_groups`); outputs at padding
         positions beyond a group's bucket are zeros."""
         self.check_inputs(x)
+        self._check_compiled_global_mask(x)
         if not (isinstance(x, dict) and all(isinstance(v, np.ndarray) for v in x.values())):
             with checks.inputs_checked_on_host():
                 return super().predict_on_batch(x)
@@ -525,6 +610,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 if self.attention_window
                 else {}
             ),
+            **({"max_global_tokens": self.max_global_tokens} if self.max_global_tokens else {}),
+            **({"global_projections": True} if self.global_projections else {}),
             **({"block_type": self.block_type} if self.block_type != "bert" else {}),
             **({"block_options": self.block_options} if self.block_options else {}),
         }

@@ -26,7 +26,7 @@ from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
 from kbert.presets.loader import TASK_CONFIG_FILE, TASK_WEIGHTS_FILE, loader_for
 from kbert.presets.positions import resize_position_weights
-from kbert.presets.weights import assign_weights
+from kbert.presets.weights import assign_weights, with_global_projections
 from kbert.tokenizers.wordpiece import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from kbert.tokenizers.wordpiece import VOCAB_FILE
 from kbert.utils.files import load_json
@@ -47,6 +47,8 @@ BACKBONE_OVERRIDES = (
     "max_sequence_length",
     "attention_window",
     "global_tokens",
+    "max_global_tokens",
+    "global_projections",
 )
 
 
@@ -131,6 +133,8 @@ def build_backbone(backbone_cls, loader, load_weights, overrides):
     if weights is not None and "max_sequence_length" in overrides:
         # more positions than learned: the learned rows tiled; fewer: the first rows
         weights = resize_position_weights(weights, config["max_sequence_length"])
+    if weights is not None and config.get("global_projections"):
+        weights = with_global_projections(weights)  # copies of the local ones where absent
     # weights the checkpoint sets are built as zeros, not drawn (`kbert.layers.initializers`)
     building = initializers.placeholders() if weights is not None else contextlib.nullcontext()
     try:

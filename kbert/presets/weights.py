@@ -100,3 +100,27 @@ def held_sizes(shapes):
     if shared:
         del held["num_layers"]
     return held
+
+
+_QKV = re.compile(r"(.*self_attention/)qkv/(kernel|bias)$")
+
+
+def with_global_projections(weights):
+    """`weights` with each block's global projections (`global_query`,
+    `global_key_value`) set from its shared `qkv` where the weights lack
+    them: Longformer's conversion, which starts the global projections as
+    copies of the local ones. The `qkv` kernel's columns are the query's,
+    the key's and the value's, in that order."""
+    out = dict(weights)
+    for path, value in weights.items():
+        m = _QKV.match(path)
+        if m is None:
+            continue
+        attention, part = m.groups()
+        if attention + "global_query/" + part in weights:
+            continue
+        value = np.asarray(value)
+        width = value.shape[-1] // 3
+        out[attention + "global_query/" + part] = value[..., :width].copy()
+        out[attention + "global_key_value/" + part] = value[..., width:].copy()
+    return out

@@ -105,3 +105,53 @@ def test_windowed_backbone_exports_a_saved_model(tmp_path):
     real = x["padding_mask"][..., None]
     got = served["sequence_output"].numpy()
     assert np.max(np.abs((got - want["sequence_output"]) * real)) <= 1e-5
+
+
+def test_global_projections_start_as_copies_of_the_local_ones(tmp_path):
+    """Longformer's conversion: a BERT loaded with `global_projections=True`
+    gives the same outputs until the global projections are trained; they
+    then change the global tokens' outputs only (one block: the others see
+    global keys through the local projections)."""
+    backbone = kbert.BertBackbone(**CONFIG, attention_window=6, global_tokens=2)
+    backbone.save_to_preset(tmp_path / "preset")
+    x = harness.backbone_inputs(batch=3, length=37, vocabulary_size=97)
+    real = x["padding_mask"][..., None]
+    local = keras.ops.convert_to_numpy(backbone(x)["sequence_output"]) * real
+    both = kbert.BertBackbone.from_preset(tmp_path / "preset", global_projections=True)
+    assert both.get_config()["global_projections"]
+    out = keras.ops.convert_to_numpy(both(x)["sequence_output"]) * real
+    assert harness.max_abs_diff(out, local) <= 1e-6
+    attention = both.transformer_layers[0].self_attention
+    kernel = attention.global_key_value.kernel
+    kernel.assign(np.random.default_rng(0).normal(size=kernel.shape).astype("float32"))
+    moved = keras.ops.convert_to_numpy(both(x)["sequence_output"]) * real
+    assert np.abs(moved[:, :2] - local[:, :2]).max() > 1e-3
+    assert harness.max_abs_diff(moved[:, 2:], local[:, 2:]) <= 1e-6
+    harness.check_config_round_trip(both)
+    harness.check_keras_round_trip(both, x, tmp_path)
+    with pytest.raises(ValueError, match="attention_window"):
+        kbert.BertBackbone(**CONFIG, global_projections=True)
+
+
+def test_global_attention_mask_replaces_the_rule():
+    """A `global_attention_mask` input equals the `global_tokens` rule when
+    it marks the same tokens, and a full-attention backbone refuses one."""
+    backbone = kbert.BertBackbone(**CONFIG, attention_window=6, global_tokens=2)
+    x = harness.backbone_inputs(batch=3, length=37, vocabulary_size=97)
+    real = x["padding_mask"][..., None]
+    rule = keras.ops.convert_to_numpy(backbone(x)["sequence_output"]) * real
+    first_two = np.zeros_like(x["token_ids"])
+    first_two[:, :2] = 1
+    given = backbone({**x, "global_attention_mask": first_two})
+    assert (
+        harness.max_abs_diff(keras.ops.convert_to_numpy(given["sequence_output"]) * real, rule)
+        <= 1e-6
+    )
+    other = first_two.copy()
+    other[:, 1], other[:, 20] = 0, 1
+    moved = keras.ops.convert_to_numpy(
+        backbone({**x, "global_attention_mask": other})["sequence_output"]
+    )
+    assert np.abs(moved * real - rule).max() > 1e-3
+    with pytest.raises(ValueError, match="attention_window"):
+        kbert.BertBackbone(**CONFIG)({**x, "global_attention_mask": first_two})

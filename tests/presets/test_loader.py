@@ -17,6 +17,7 @@ def test_formats_are_asked_in_priority_order():
         "keras_hub",
         "tf_checkpoint",
         "huggingface-encoder-decoder",  # before the BERT format, which takes any model_type
+        "huggingface-longformer",
         "huggingface-mobilebert",
         "huggingface",
         "kbert",

@@ -1,0 +1,171 @@
+"""Hugging Face Longformer directories -> kbert's windowed `BertBackbone`.
+
+Reads a transformers Longformer directory (config.json with model_type
+"longformer", model.safetensors): a `LongformerModel`, or the encoder of
+any Longformer task class (its head is left out). The backbone is a BERT
+with sliding-window attention (`attention_window`) and separate global
+projections (`global_projections=True`), which is what Longformer is
+(Beltagy et al. 2020): same blocks, same embeddings, plus `query_global`,
+`key_global` and `value_global` per block.
+
+Differences the conversion absorbs:
+- positions: Longformer (RoBERTa) numbers a row's tokens from
+  `pad_token_id + 1`, so its table's first `pad_token_id + 1` rows are
+  never used by a right-padded row; kbert's table starts at the first
+  used row (`max_sequence_length` = `max_position_embeddings` -
+  `pad_token_id` - 1). A row with the pad id inside its real tokens is
+  numbered differently by transformers (it skips them); kbert counts
+  every position.
+- global tokens: transformers' `LongformerModel` makes a token global only
+  where `global_attention_mask` says so (its classifiers set [CLS]); the
+  backbone's `global_tokens` rule gives the first token (kbert's
+  classifier convention), and a `global_attention_mask` input replaces it
+  per call.
+- one window for all layers: a config whose `attention_window` differs
+  between layers is refused.
+
+The tokenizer (byte-level BPE) is not read: tokenize with the `tokenizers`
+library from the directory's `tokenizer.json` and pass the ids.
+"""
+
+import numpy as np
+
+from kbert.convert import huggingface as hf
+from kbert.layers.activations import canonical_activation
+from kbert.presets.io import PresetError, read_json
+from kbert.presets.loader import register_format
+
+MODEL_TYPE = "longformer"
+
+# (transformers' name, kbert's, transformers' LongformerConfig default)
+CONFIG = [
+    ("vocab_size", "vocabulary_size", 30522),
+    ("num_hidden_layers", "num_layers", 12),
+    ("num_attention_heads", "num_heads", 12),
+    ("hidden_size", "hidden_dim", 768),
+    ("intermediate_size", "intermediate_dim", 3072),
+    ("type_vocab_size", "type_vocab_size", 2),
+    ("hidden_dropout_prob", "dropout", 0.1),
+    ("attention_probs_dropout_prob", "attention_dropout", 0.1),
+    ("hidden_act", "activation", "gelu"),
+    ("layer_norm_eps", "layer_norm_epsilon", 1e-12),
+    ("initializer_range", "initializer_range", 0.02),
+]
+# the block's names beyond BERT's: the global projections, which kbert
+# holds as one query Dense and one key-and-value Dense
+GLOBAL_QUERY = "attention.self.query_global"
+GLOBAL_KEY_VALUE = ["attention.self.key_global", "attention.self.value_global"]
+
+
+def position_offset(hf_config):
+    """The rows of transformers' position table before a row's first token."""
+    pad = hf_config.get("pad_token_id", 1)
+    if not isinstance(pad, int) or isinstance(pad, bool) or pad < 0:
+        raise PresetError(f"config.json: pad_token_id must be a non-negative int, got {pad!r:.60}")
+    return pad + 1
+
+
+def backbone_config_from_hf(hf_config, source="config.json"):
+    """The windowed `BertBackbone` config of a transformers Longformer config."""
+    if hf_config.get("model_type") != MODEL_TYPE:
+        raise PresetError(f"{source} is not a Longformer config (model_type 'longformer')")
+    config = {ours: hf_config.get(theirs, default) for theirs, ours, default in CONFIG}
+    if not isinstance(config["activation"], str):
+        raise PresetError(f"{source}: hidden_act must be a name, got {config['activation']!r:.60}")
+    try:
+        config["activation"] = canonical_activation(config["activation"])
+    except ValueError as e:
+        raise PresetError(f"{source}: {e}") from e
+    positions = hf_config.get("max_position_embeddings", 512)
+    offset = position_offset(hf_config)
+    if not isinstance(positions, int) or positions <= offset:
+        raise PresetError(
+            f"{source}: max_position_embeddings={positions!r:.60} leaves no position after "
+            f"the {offset} rows Longformer reserves (pad_token_id + 1)"
+        )
+    config["max_sequence_length"] = positions - offset
+    window = hf_config.get("attention_window", 512)
+    windows = window if isinstance(window, list) else [window] * config["num_layers"]
+    if len(set(map(repr, windows))) != 1:
+        raise PresetError(
+            f"{source}: attention_window differs between layers ({windows!r:.80}); kbert's "
+            "windowed backbone has one window for every layer"
+        )
+    config["attention_window"] = windows[0]
+    config["global_tokens"] = 1
+    config["global_projections"] = True
+    return config
+
+
+def _blocks(num_layers):
+    return [(f"encoder.layer.{i}.", f"transformer_layer_{i}/") for i in range(num_layers)]
+
+
+def backbone_weights_from_hf(state, config, offset):
+    """{kbert backbone path: array} of a (normalised) transformers
+    Longformer state dict: BERT's names, the global projections, and the
+    position table without its first `offset` rows."""
+    weights, _ = hf.backbone_weights_from_hf(state, config["num_layers"])
+    table = weights["embeddings/position_embeddings"]
+    weights["embeddings/position_embeddings"] = table[
+        offset : offset + config["max_sequence_length"]
+    ]
+    p = hf._prefix(state)
+
+    def get(name, transposed=False):
+        key = p + name
+        if key not in state:
+            raise PresetError(f"the checkpoint lacks {key!r}")
+        return state[key].T if transposed else state[key]
+
+    for theirs, ours in _blocks(config["num_layers"]):
+        attention = ours + "self_attention/"
+        weights[attention + "global_query/kernel"] = get(theirs + GLOBAL_QUERY + ".weight", True)
+        weights[attention + "global_query/bias"] = get(theirs + GLOBAL_QUERY + ".bias")
+        weights[attention + "global_key_value/kernel"] = np.concatenate(
+            [get(theirs + n + ".weight", True) for n in GLOBAL_KEY_VALUE], axis=1
+        )
+        weights[attention + "global_key_value/bias"] = np.concatenate(
+            [get(theirs + n + ".bias") for n in GLOBAL_KEY_VALUE]
+        )
+    return weights
+
+
+class LongformerLoader(hf.HuggingFaceLoader):
+    """A transformers Longformer directory (config.json with model_type
+    "longformer"): the backbone; task heads are not read."""
+
+    format = "huggingface-longformer"
+    priority = 28  # before the BERT / ALBERT reader, which takes any model_type
+
+    @classmethod
+    def detect(cls, directory):
+        if not super().detect(directory):
+            return False
+        return read_json(directory, "config.json").get("model_type") == MODEL_TYPE
+
+    def backbone_config(self):
+        return backbone_config_from_hf(self.hf_config, self.config_source)
+
+    def held_shapes(self):
+        shapes = hf.backbone_shapes_from_hf(self._read_shapes())
+        table = shapes.get("embeddings/position_embeddings")
+        if table is not None:
+            offset = position_offset(self.hf_config)
+            shapes["embeddings/position_embeddings"] = (table[0] - offset, *table[1:])
+        return shapes
+
+    def backbone_weights(self, config):
+        return backbone_weights_from_hf(self.hf_state, config, position_offset(self.hf_config))
+
+    def tokenizer(self, rules=None):
+        return None  # byte-level BPE: see the module docstring
+
+    def task_head(self, task_cls, load_weights=True):
+        return None
+
+    def held_model(self):
+        return "BertBackbone", {}
+
+
+register_format(LongformerLoader)

@@ -1,0 +1,149 @@
+"""transformers Longformer directories load into a windowed `BertBackbone`
+with global projections, with transformers' outputs (fp32, 1e-5) for every
+choice of global tokens."""
+
+import keras
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import kbert
+from kbert.presets import PresetError
+from tests import harness
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=66,  # 64 positions after the two Longformer reserves
+    attention_window=8,
+    type_vocab_size=1,
+    initializer_range=0.2,  # larger than the default: differences show
+)
+
+
+def _longformer(directory, **kwargs):
+    """A random transformers LongformerModel saved to `directory`; its
+    global projections differ from the local ones (as after training)."""
+    config = transformers.LongformerConfig(**{**TINY, **kwargs})
+    torch.manual_seed(0)
+    model = transformers.LongformerModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model
+
+
+def _inputs(batch=3, length=29, seed=0):
+    """Random ids (never the pad id 1, which Longformer's positions skip)
+    with ragged padding."""
+    rng = np.random.default_rng(seed)
+    padding = np.ones((batch, length), "int32")
+    padding[1, 20:] = 0
+    padding[2, 5:] = 0
+    ids = rng.integers(3, TINY["vocab_size"], (batch, length)).astype("int32")
+    ids[padding == 0] = 1
+    return {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": padding}
+
+
+def _reference(model, x, global_mask):
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(x["token_ids"]).long(),
+            attention_mask=torch.tensor(x["padding_mask"]).long(),
+            global_attention_mask=torch.tensor(global_mask).long(),
+        )
+    return out.last_hidden_state.numpy(), out.pooler_output.numpy()
+
+
+def _masked(a, x):
+    return np.asarray(a) * x["padding_mask"][..., None]
+
+
+@pytest.fixture(scope="module")
+def longformer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("longformer")
+    return directory, _longformer(directory)
+
+
+def test_longformer_loads_with_transformers_outputs(longformer):
+    directory, reference = longformer
+    backbone = kbert.BertBackbone.from_preset(directory)
+    config = backbone.get_config()
+    assert (config["attention_window"], config["global_tokens"]) == (8, 1)
+    assert config["global_projections"] and backbone.max_sequence_length == 64
+    x = _inputs()
+    rng = np.random.default_rng(1)
+    user = (rng.random(x["token_ids"].shape) < 0.2).astype("int32")
+    first = np.zeros_like(user)
+    first[:, 0] = 1
+    cases = [
+        ("[CLS] by the global_tokens rule", {}, first),
+        ("a global_attention_mask", {"global_attention_mask": user}, user),
+        ("no global token", {"global_attention_mask": np.zeros_like(user)}, np.zeros_like(user)),
+    ]
+    outputs = []
+    for case, extra, global_mask in cases:
+        got = backbone({**x, **extra})
+        want_sequence, want_pooled = _reference(reference, x, global_mask)
+        sequence = keras.ops.convert_to_numpy(got["sequence_output"])
+        assert harness.max_abs_diff(_masked(sequence, x), _masked(want_sequence, x)) <= 1e-5, case
+        pooled = keras.ops.convert_to_numpy(got["pooled_output"])
+        assert harness.max_abs_diff(pooled, want_pooled) <= 1e-5, case
+        outputs.append(sequence)
+    # the global tokens matter: each choice gives other outputs
+    assert np.abs(_masked(outputs[0] - outputs[1], x)).max() > 1e-3
+    assert np.abs(_masked(outputs[0] - outputs[2], x)).max() > 1e-3
+
+
+def test_global_mask_in_predict_needs_a_static_count(longformer):
+    directory, _ = longformer
+    x = _inputs()
+    x["global_attention_mask"] = np.zeros_like(x["token_ids"])
+    x["global_attention_mask"][:, :3] = 1
+    x["global_attention_mask"][0, 10] = 1
+    backbone = kbert.BertBackbone.from_preset(directory, max_global_tokens=4)
+    eager = _masked(keras.ops.convert_to_numpy(backbone(x)["sequence_output"]), x)
+    predicted = backbone.predict(x, batch_size=3, verbose=0)["sequence_output"]
+    assert harness.max_abs_diff(_masked(predicted, x), eager) <= 1e-5
+    on_batch = backbone.predict_on_batch(x)["sequence_output"]
+    assert harness.max_abs_diff(_masked(on_batch, x), eager) <= 1e-5
+    with pytest.raises(ValueError, match="max_global_tokens=4"):
+        backbone({**x, "global_attention_mask": np.ones_like(x["token_ids"])})
+    unbounded = kbert.BertBackbone.from_preset(directory)
+    with pytest.raises(ValueError, match="max_global_tokens"):
+        unbounded.predict(x, verbose=0)
+    with pytest.raises(ValueError, match="shape"):
+        unbounded({**x, "global_attention_mask": x["global_attention_mask"][:, :5]})
+    with pytest.raises(ValueError, match="0 and 1"):
+        unbounded({**x, "global_attention_mask": 2 * x["global_attention_mask"]})
+
+
+def test_longformer_preset_round_trip_and_longer_positions(longformer, tmp_path):
+    directory, _ = longformer
+    backbone = kbert.BertBackbone.from_preset(directory)
+    x = _inputs()
+    before = _masked(keras.ops.convert_to_numpy(backbone(x)["sequence_output"]), x)
+    backbone.save_to_preset(tmp_path / "preset")
+    again = kbert.BertBackbone.from_preset(tmp_path / "preset")
+    assert again.global_projections and again.attention_window == 8
+    after = _masked(keras.ops.convert_to_numpy(again(x)["sequence_output"]), x)
+    assert harness.max_abs_diff(after, before) <= 1e-6
+    longer = kbert.BertBackbone.from_preset(directory, max_sequence_length=200)
+    assert longer.max_sequence_length == 200
+    out = _masked(keras.ops.convert_to_numpy(longer(x)["sequence_output"]), x)
+    assert harness.max_abs_diff(out, before) <= 1e-5  # the first 64 positions are kept
+    with pytest.raises(ValueError, match="global projections"):
+        kbert.convert.huggingface.export_to_huggingface(backbone, tmp_path / "hf")
+
+
+def test_longformer_configs_kbert_cannot_take_are_refused(tmp_path):
+    _longformer(tmp_path / "mixed", attention_window=[8, 4])
+    with pytest.raises(PresetError, match="attention_window differs between layers"):
+        kbert.BertBackbone.from_preset(tmp_path / "mixed")

@@ -31,6 +31,8 @@ from kbert.layers.masks import AttentionMask
 from kbert.utils import checks
 
 NAME = "banded"
+# `global_tokens` for the tokens of the first segment: [CLS], a question, [SEP]
+FIRST_SEGMENT = "first_segment"
 
 
 def global_slots(mask):
@@ -177,9 +179,10 @@ attention.register_attention(NAME, banded_attention, supports, auto_position=0)
 
 def check_window(attention_window, global_tokens, max_global_tokens=None, global_projections=False):
     """Raises a ValueError naming the setting unless `attention_window` is
-    None or a positive even int, `global_tokens` a non-negative int,
-    `max_global_tokens` None or a positive int and `global_projections` a
-    bool (True only with a window)."""
+    None or a positive even int, `global_tokens` a non-negative int or
+    "first_segment" (which needs `max_global_tokens`), `max_global_tokens`
+    None or a positive int and `global_projections` a bool (True only with
+    a window)."""
     if attention_window is not None and (
         not isinstance(attention_window, int)
         or isinstance(attention_window, bool)
@@ -191,10 +194,13 @@ def check_window(attention_window, global_tokens, max_global_tokens=None, global
             f"(each token sees W / 2 tokens on each side, as in Longformer), "
             f"got {attention_window!r}"
         )
-    if not isinstance(global_tokens, int) or isinstance(global_tokens, bool) or global_tokens < 0:
+    if global_tokens != FIRST_SEGMENT and (
+        not isinstance(global_tokens, int) or isinstance(global_tokens, bool) or global_tokens < 0
+    ):
         raise ValueError(
             f"global_tokens must be a non-negative int (the first tokens of each example that "
-            f"attend everywhere; 1: [CLS]), got {global_tokens!r}"
+            f'attend everywhere; 1: [CLS]) or "{FIRST_SEGMENT}" ([CLS], the first segment and '
+            f"its [SEP]: a question), got {global_tokens!r}"
         )
     if max_global_tokens is not None and (
         not isinstance(max_global_tokens, int)
@@ -204,6 +210,11 @@ def check_window(attention_window, global_tokens, max_global_tokens=None, global
         raise ValueError(
             "max_global_tokens must be None or a positive int (the most global tokens a "
             f"row's global_attention_mask may hold), got {max_global_tokens!r}"
+        )
+    if global_tokens == FIRST_SEGMENT and max_global_tokens is None:
+        raise ValueError(
+            f'global_tokens="{FIRST_SEGMENT}" needs max_global_tokens: the most tokens a first '
+            "segment may hold (e.g. a question answerer's max_query_length + 2)"
         )
     if not isinstance(global_projections, bool):
         raise ValueError(f"global_projections must be True or False, got {global_projections!r}")
@@ -222,26 +233,32 @@ def window_mask(
     segments=None,
     global_mask=None,
     max_global=None,
+    segment_ids=None,
 ):
     """The `AttentionMask` of sliding-window attention: each token sees
     `attention_window // 2` tokens on each side; the first `global_tokens`
-    tokens of each example ([CLS] for 1), or the tokens `global_mask`
-    marks, see and are seen by every token.
+    tokens of each example ([CLS] for 1; for "first_segment", the tokens of
+    segment 0), or the tokens `global_mask` marks, see and are seen by
+    every token.
 
     Args:
         padding_mask: int tensor (B, T). 1 for real tokens.
         attention_window: int. W, the whole window (Longformer's
             `attention_window`).
-        global_tokens: int. global tokens at the start of each example.
+        global_tokens: int or "first_segment". global tokens at the start
+            of each example: this many, or those of segment 0 ([CLS], a
+            question and its [SEP]; at most `max_global` of them).
         position_ids: int tensor (B, T) or None. each token's position in
             its example, for rows holding several (`segments` then says which).
         segments: int tensor (B, T) or None. the example of each token.
         global_mask: int tensor (B, T) or None. 1 for global tokens, in
             place of the `global_tokens` rule (padding is never global).
         max_global: int or None. the static number of global slots; a row
-            of `global_mask` with more keeps its first `max_global` (the
-            others attend locally). None: `global_tokens` for the rule;
-            counted from `global_mask`'s values where they are known.
+            of `global_mask` (or a first segment) with more keeps its first
+            `max_global` (the others attend locally). None: `global_tokens`
+            for the int rule; counted from `global_mask`'s values where
+            they are known.
+        segment_ids: int tensor (B, T) or None. for "first_segment".
 
     Example:
     >>> import numpy as np
@@ -252,6 +269,15 @@ def window_mask(
     parts = {"padding": padding_mask, "window": attention_window // 2}
     if segments is not None:
         parts["segments"] = segments
+    if global_tokens == FIRST_SEGMENT and global_mask is None:
+        if segment_ids is None:
+            raise ValueError(f'global_tokens="{FIRST_SEGMENT}" needs the segment ids')
+        global_mask = ops.cast(ops.equal(segment_ids, 0), "int32")
+        if segments is not None:  # rows of several examples: one first segment each
+            length = padding_mask.shape[1]
+            if not isinstance(length, int):
+                raise ValueError("rows holding several examples need a static length")
+            max_global = length
     if global_mask is not None:
         is_global = ops.logical_and(
             ops.cast(global_mask, "bool"), ops.cast(padding_mask, "bool")

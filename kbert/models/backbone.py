@@ -104,6 +104,7 @@ def encoder_forward(
             segments=inputs["example_ids"] if packed else None,
             global_mask=inputs.get(GLOBAL_MASK),
             max_global=max_global,
+            segment_ids=inputs["segment_ids"],
         )
     states = [x]
     if run_blocks is not None:
@@ -198,8 +199,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             (Longformer's): each token sees `attention_window // 2` tokens
             on each side, in memory linear in length ("banded"; on torch
             with a GPU "torch-flex"); None: full attention.
-        global_tokens: int. with `attention_window`, the first this many
-            tokens of each row see and are seen by every token (1: [CLS]).
+        global_tokens: int or "first_segment". with `attention_window`,
+            the first this many tokens of each row see and are seen by
+            every token (1: [CLS]); "first_segment": the tokens of segment
+            0 ([CLS], a question and its [SEP], Longformer's choice for
+            question answering; needs `max_global_tokens`).
             An input `global_attention_mask` (B, T), 1 for the tokens that
             attend globally (Longformer's), replaces this rule for a call.
         max_global_tokens: int or None. with `attention_window`, the most

@@ -245,6 +245,9 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     when the directory holds one of this class (kbert task preset, Hugging
     Face or original TF checkpoint), otherwise a fresh head on its backbone."""
     backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
+    if backbone_overrides.get("attention_window"):
+        # the task's choice of global tokens for a window it asks for (e.g. the question)
+        backbone_overrides = {**cls.window_defaults(kwargs), **backbone_overrides}
     allow_pickle = backbone_overrides.pop("allow_pickle", False)
     loader = loader_for(directory, allow_pickle)
     backbone = build_backbone(cls.backbone_cls, loader, load_weights, backbone_overrides)

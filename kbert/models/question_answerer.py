@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from kbert.backend.ops import fill_padding
+from kbert.layers.banded_attention import FIRST_SEGMENT
 from kbert.models.preprocessor import BertPreprocessor
 from kbert.models.task import Task
 from kbert.utils import checks
@@ -107,6 +108,13 @@ class BertQuestionAnswerer(Task):
             freeze_backbone=freeze_backbone,
         )
         self._init_task(inputs, outputs, backbone, preprocessor, config, kwargs)
+
+    @classmethod
+    def window_defaults(cls, kwargs):
+        """With `attention_window`, the question attends globally
+        ([CLS], the question, [SEP]: Longformer's choice for QA)."""
+        query = kwargs.get("max_query_length", 64)
+        return {"global_tokens": FIRST_SEGMENT, "max_global_tokens": query + 2}
 
     config_names = (
         "doc_stride",

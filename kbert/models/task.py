@@ -134,6 +134,13 @@ class Task(preset_io.PresetMixin, PipelineModel):
         return preset_io.load_task(cls, directory, load_weights=load_weights, **kwargs)
 
     @classmethod
+    def window_defaults(cls, kwargs):
+        """Backbone settings `from_preset(..., attention_window=W)` takes
+        unless given (`kwargs`: the task's other arguments): the task's
+        global tokens. The backbone's own default ([CLS]) here."""
+        return {}
+
+    @classmethod
     def default_preprocessor(cls, directory, backbone):
         return BertPreprocessor.from_directory(directory, min(128, backbone.max_sequence_length))
 

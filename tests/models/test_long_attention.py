@@ -155,3 +155,50 @@ def test_global_attention_mask_replaces_the_rule():
     assert np.abs(moved * real - rule).max() > 1e-3
     with pytest.raises(ValueError, match="attention_window"):
         kbert.BertBackbone(**CONFIG)({**x, "global_attention_mask": first_two})
+
+
+def test_first_segment_rule_makes_the_question_global():
+    """`global_tokens="first_segment"`: the tokens of segment 0 (padding
+    never), at most `max_global_tokens` of them per row; and a question
+    answerer asked for a window gets it."""
+    backbone = kbert.BertBackbone(
+        **CONFIG, attention_window=6, global_tokens="first_segment", max_global_tokens=5
+    )
+    x = harness.backbone_inputs(batch=3, length=37, vocabulary_size=97)
+    x["segment_ids"] = np.zeros_like(x["segment_ids"])
+    x["segment_ids"][:, 4:] = 1  # a 4-token first segment
+    real = x["padding_mask"][..., None]
+    rule = keras.ops.convert_to_numpy(backbone(x)["sequence_output"]) * real
+    first = ((x["segment_ids"] == 0) & (x["padding_mask"] == 1)).astype("int32")
+    given = backbone({**x, "global_attention_mask": first})["sequence_output"]
+    assert harness.max_abs_diff(keras.ops.convert_to_numpy(given) * real, rule) <= 1e-6
+    predicted = backbone.predict(x, batch_size=3, verbose=0)["sequence_output"] * real
+    assert harness.max_abs_diff(predicted, rule) <= 1e-5
+    dense = _twin(backbone, attention_implementation="explicit")
+    assert harness.max_abs_diff(dense.predict(x, verbose=0)["sequence_output"] * real, rule) <= 1e-5
+    # a longer first segment keeps its first 5 tokens global
+    x["segment_ids"][:, 4:9] = 0
+    capped = keras.ops.convert_to_numpy(backbone(x)["sequence_output"]) * real
+    first = ((x["segment_ids"] == 0) & (x["padding_mask"] == 1)).astype("int32")
+    first[:, 5:] = 0
+    given = backbone({**x, "global_attention_mask": first})["sequence_output"]
+    assert harness.max_abs_diff(keras.ops.convert_to_numpy(given) * real, capped) <= 1e-6
+    with pytest.raises(ValueError, match="max_global_tokens"):
+        kbert.BertBackbone(**CONFIG, attention_window=6, global_tokens="first_segment")
+
+
+def test_windowed_question_answerer_makes_its_question_global(tmp_path):
+    kbert.BertBackbone(**{**CONFIG, "vocabulary_size": len(VOCAB)}).save_to_preset(
+        tmp_path / "preset", kbert.BertPreprocessor(kbert.BertTokenizer(VOCAB), 40)
+    )
+    qa = kbert.BertQuestionAnswerer.from_preset(
+        tmp_path / "preset", attention_window=4, max_query_length=6
+    )
+    config = qa.backbone.get_config()
+    assert (config["global_tokens"], config["max_global_tokens"]) == ("first_segment", 8)
+    answers = qa.predict_answers(["was the movie good"], ["the movie was good " * 5])
+    assert len(answers) == 1 and isinstance(answers[0], str)
+    classifier = kbert.BertClassifier.from_preset(
+        tmp_path / "preset", num_classes=2, attention_window=4
+    )
+    assert classifier.backbone.get_config()["global_tokens"] == 1

@@ -267,10 +267,19 @@ def blocks_in_loop(blocks, x, padding_mask, training=None):
 def attention_keep(padding_mask):
     """A padding mask (B, S) -> the boolean mask (B, 1, 1, S) attention
     takes. A row of padding only sees every key instead: a softmax over
-    nothing is NaN, and its outputs are padding, unused."""
-    keep = ops.cast(padding_mask, "bool")
-    empty = ops.logical_not(ops.any(keep, axis=-1, keepdims=True))
-    return ops.logical_or(keep, empty)[:, None, None, :]
+    nothing is NaN, and its outputs are padding, unused. Computed once per
+    traced TensorFlow graph for all blocks."""
+
+    def make():
+        keep = ops.cast(padding_mask, "bool")
+        empty = ops.logical_not(ops.any(keep, axis=-1, keepdims=True))
+        return ops.logical_or(keep, empty)[:, None, None, :]
+
+    if backend.is_tensorflow():
+        from kbert.backend import tensorflow as tf_backend
+
+        return tf_backend.per_graph("attention_keep", padding_mask, make)
+    return make()
 
 
 def cudnn_attention(query, key, value, keep_keys, scale):

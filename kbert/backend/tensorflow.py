@@ -2,6 +2,8 @@
 logs, token packing on a CPU, the fused Adam update, the int8 product. TensorFlow is imported
 only when the backend is TensorFlow."""
 
+import weakref
+
 import keras
 
 from kbert import backend
@@ -92,6 +94,30 @@ def in_xla_context():
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
+# Per traced graph, values computed once from a tensor and shared by every
+# block of a forward: the padding mask's packing index and attention mask
+# (each block would otherwise rebuild them, about a dozen graph operations
+# per block, which the graph executor runs one by one at small batches).
+_PER_GRAPH = weakref.WeakKeyDictionary()
+
+
+def per_graph(kind, tensor, make):
+    """`make()`, computed once per (kind, tensor) in the graph being traced
+    (each call in eager mode). The cache lives as long as the graph."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly() or not hasattr(tensor, "ref") or not hasattr(tensor, "graph"):
+        return make()
+    graph = tf.compat.v1.get_default_graph()
+    if tensor.graph is not graph:  # a captured outer tensor: computed where it is used
+        return make()
+    cache = _PER_GRAPH.setdefault(graph, {})
+    key = (kind, tensor.ref())
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
 class TokenPacking:
     """`kbert.backend.torch_ops.TokenPacking` in TensorFlow ops: the real
     tokens of a (B, T) batch as one (n, C) matrix (a shape known only when
@@ -143,7 +169,10 @@ def token_packing(inputs, padding_mask):
 
     if len(inputs.shape) != 3 or inputs.shape[-1] is None:
         return None
-    return TokenPacking(tf.cast(tf.convert_to_tensor(padding_mask), tf.bool))
+    padding_mask = tf.convert_to_tensor(padding_mask)
+    return per_graph(
+        "token_packing", padding_mask, lambda: TokenPacking(tf.cast(padding_mask, tf.bool))
+    )
 
 
 def fused_adam_update(optimizer, gradient, variable, learning_rate):

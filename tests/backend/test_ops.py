@@ -767,3 +767,37 @@ def test_token_packing_needs_enough_padding_and_a_cpu_tensor(monkeypatch):
     # All padding: n = 0 rows, still defined.
     empty = torch_ops.token_packing(torch.tensor(x), torch.zeros_like(mask))
     assert empty.gather(torch.tensor(x)).shape == (0, 16)
+
+
+@cpu_only
+def test_tensorflow_graph_builds_the_packing_and_the_attention_mask_once():
+    """A traced TensorFlow forward computes the padding mask's packing
+    index and attention mask once for all blocks (per block they were a
+    dozen graph operations that run one by one), with the outputs of eager
+    calls, which build them per block."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("TensorFlow graphs")
+    import collections
+
+    import tensorflow as tf
+
+    import kbert
+
+    backbone = kbert.BertBackbone(97, 3, 2, 16, 32, max_sequence_length=16, dropout=0.0)
+    x, mask = _padded_batch()
+    inputs = {
+        "token_ids": (np.arange(mask.size).reshape(mask.shape) % 90 + 1).astype("int32") * mask,
+        "segment_ids": np.zeros_like(mask),
+        "padding_mask": mask,
+    }
+    forward = tf.function(lambda x: backbone(x)["sequence_output"])
+    spec = {k: tf.TensorSpec(v.shape, tf.int32) for k, v in inputs.items()}
+    counts = collections.Counter(
+        op.type for op in forward.get_concrete_function(spec).graph.get_operations()
+    )
+    assert counts["Where"] == 1 and counts["Any"] == 1  # not once per block
+    assert counts["ScatterNd"] == 3  # the blocks still pack: one scatter each
+    real = mask[..., None]
+    traced = forward(inputs).numpy() * real
+    eager = keras.ops.convert_to_numpy(backbone(inputs)["sequence_output"]) * real
+    np.testing.assert_allclose(traced, eager, atol=1e-5)

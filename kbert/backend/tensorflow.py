@@ -131,6 +131,19 @@ class TokenPacking:
         self.batch, self.length = shape[0], shape[1]
         self.index = tf.where(tf.reshape(keep, [-1]))[:, 0]  # (n,)
         self.padding_mask = keep
+        self._rows = self.index[:, None]  # (n, 1): scatter indices
+        self._shapes = {}  # channels -> (rows shape, batch shape), built once per graph
+
+    def _shapes_of(self, channels):
+        """([B T, C], [B, T, C]) as shape tensors, built once for `channels`."""
+        if channels not in self._shapes:
+            tf = self.tf
+            c = tf.constant(channels, tf.int64)
+            self._shapes[channels] = (
+                tf.stack([self.batch * self.length, c]),
+                tf.stack([self.batch, self.length, c]),
+            )
+        return self._shapes[channels]
 
     def gather(self, x):
         """(B, T, C) -> (n, C)."""
@@ -143,13 +156,13 @@ class TokenPacking:
         by `x`; without `base`, zeros elsewhere."""
         tf = self.tf
         channels = x.shape[-1]
+        rows_shape, batch_shape = self._shapes_of(channels)
         if base is None:
-            shape = tf.stack([self.batch * self.length, tf.constant(channels, tf.int64)])
-            rows = tf.scatter_nd(self.index[:, None], x, shape)
+            rows = tf.scatter_nd(self._rows, x, rows_shape)
         else:
             base = tf.reshape(tf.convert_to_tensor(base), [-1, channels])
-            rows = tf.tensor_scatter_nd_update(base, self.index[:, None], x)
-        return tf.reshape(rows, [self.batch, self.length, channels])
+            rows = tf.tensor_scatter_nd_update(base, self._rows, x)
+        return tf.reshape(rows, batch_shape)
 
     def attention_groups(self):
         """One group: the padded batch itself (see the torch version)."""

@@ -17,8 +17,9 @@ class TrainerState:
         compile_log: list or None. programs compiled ahead (`jax_compile`).
         first_programs: the training step's `FirstPrograms`, or None.
         ahead_predict: the predict step's `AheadPredict`, or None.
-        predict_on_batch: what JAX `predict_on_batch` keeps between calls
-            (`keras_internals.jax_predict_on_batch`), or None.
+        predict_on_batch: what `predict_on_batch` keeps between calls (JAX:
+            `keras_internals.jax_predict_on_batch`; TensorFlow:
+            `tensorflow.DirectPredict`), or None.
         ddp: the model's DistributedDataParallel wrapper, or None.
         ddp_synced: bool. process 0's weights broadcast and the dropout
             generator offset by the rank (torch-ddp).

@@ -78,6 +78,10 @@ class BackendTrainer(keras_internals.TrainerShims):
     def predict_on_batch(self, x):
         if backend.is_jax():
             return keras_internals.jax_predict_on_batch(self, x, super().predict_on_batch)
+        if backend.is_tensorflow():
+            direct = tf_backend.direct_predict(self, x)
+            if direct is not None:
+                return direct(x)
         return super().predict_on_batch(x)
 
     def train_step(self, *args, **kwargs):

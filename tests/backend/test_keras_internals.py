@@ -405,3 +405,43 @@ def test_jax_predict_on_batch_is_keras_predict_on_batch_as_the_model_changes():
     assert np.abs(both(x) - floating).max() > 0  # the int8 layers ran
     assert state_of(model).predict_on_batch is not cache  # Keras made a new step
     assert all(np.isfinite(w).all() for w in model.get_weights() if w.dtype.kind == "f")
+
+
+def test_tensorflow_predict_on_batch_is_keras_predict_on_batch_as_the_model_changes():
+    """kbert's TensorFlow `predict_on_batch` on a CPU (a concrete function
+    with dynamic shapes, called directly) gives what Keras' own gives, at
+    any length, with new weights and after `quantize` (which makes Keras
+    remake its step, and kbert its function); XLA keeps Keras' call."""
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("the TensorFlow trainer only")
+    from kbert.backend.state import state_of
+    from kbert.backend.tensorflow import DirectPredict
+
+    backbone = kbert.BertBackbone(**dict(TINY, max_sequence_length=64))
+    model = kbert.BertClassifier(backbone, num_classes=3)
+    x = tiny_batch(2)
+    x["token_ids"] = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], "int32")
+    x["padding_mask"] = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], "int32")
+
+    def both(batch):
+        ours = model.predict_on_batch(batch)
+        keras_own = keras.Model.predict_on_batch(model, batch)
+        np.testing.assert_allclose(ours, keras_own, rtol=1e-6, atol=1e-6)
+        return ours
+
+    first = both(x)
+    direct = state_of(model).predict_on_batch
+    assert isinstance(direct, DirectPredict) and direct.calls == 1
+    longer = {k: np.tile(v, (1, 5)) for k, v in x.items()}  # 20 tokens
+    both(longer)
+    assert state_of(model).predict_on_batch is direct and len(direct.functions) == 1
+    model.set_weights([w + 0.5 for w in model.get_weights()])
+    assert np.abs(both(x) - first).max() > 1e-3  # new values read
+    floating = both(x)
+    model.quantize("int8")
+    assert np.abs(both(x) - floating).max() > 0  # the int8 layers ran
+    assert state_of(model).predict_on_batch is not direct  # a new function
+    xla = kbert.BertClassifier(backbone, num_classes=3)
+    xla.jit_compile = True
+    xla.predict_on_batch(x)
+    assert state_of(xla).predict_on_batch is None  # Keras' XLA step

@@ -208,12 +208,7 @@ class EncoderDecoderLoader(hf.HuggingFaceLoader):
 
     format = "huggingface-encoder-decoder"
     priority = 25  # before the BERT loader, which would take any model_type
-
-    @classmethod
-    def detect(cls, directory):
-        if not super().detect(directory):
-            return False
-        return hf.read_json(directory, "config.json").get("model_type") == "encoder-decoder"
+    model_type = "encoder-decoder"
 
     def _part_config(self, part):
         config = self.hf_config.get(part)

@@ -547,6 +547,8 @@ class HuggingFaceLoader(PresetLoader):
     format = "huggingface"
     priority = 30
     config_file = "config.json"
+    # a subclass for one model type sets it: `detect` takes only that type
+    model_type = None
 
     @classmethod
     def detect(cls, directory):
@@ -554,7 +556,10 @@ class HuggingFaceLoader(PresetLoader):
             os.path.join(directory, "metadata.json")
         ):
             return False
-        return "model_type" in read_json(directory, "config.json")
+        config = read_json(directory, "config.json")
+        if cls.model_type is not None:
+            return config.get("model_type") == cls.model_type
+        return "model_type" in config
 
     def _read_config(self):
         return read_json(self.directory, self.config_file)

@@ -18,7 +18,7 @@ import numpy as np
 
 from kbert.convert import huggingface as hf
 from kbert.layers.activations import canonical_activation
-from kbert.presets.io import PresetError, read_json
+from kbert.presets.io import PresetError
 from kbert.presets.loader import TaskHead, register_format
 
 MODEL_TYPE = "mobilebert"
@@ -251,12 +251,7 @@ class MobileBertLoader(hf.HuggingFaceLoader):
 
     format = "huggingface-mobilebert"
     priority = 29  # before the BERT / ALBERT reader, which takes any model_type
-
-    @classmethod
-    def detect(cls, directory):
-        if not super().detect(directory):
-            return False
-        return read_json(directory, "config.json").get("model_type") == MODEL_TYPE
+    model_type = MODEL_TYPE
 
     def backbone_config(self):
         return backbone_config_from_hf(self.hf_config, self.config_source)

@@ -35,15 +35,9 @@ NAME = "banded"
 FIRST_SEGMENT = "first_segment"
 
 
-def global_slots(mask):
-    """G: the static number of global slots a call needs, or None when it
-    cannot be known (`AttentionMask.global_slots`)."""
-    return mask.global_slots()
-
-
 def supports(mask, dtype, rate):
     """Windowed self-attention whose global slots have a static size."""
-    return mask.window is not None and global_slots(mask) is not None
+    return mask.window is not None and mask.global_slots() is not None
 
 
 def _pad_tokens(x, before, after):
@@ -87,7 +81,7 @@ def banded_attention(query, key, value, mask, scale, dropout):
             f'"{NAME}" attention is self-attention; got {query.shape[1]} queries and '
             f"{key.shape[1]} keys"
         )
-    slots = global_slots(mask)
+    slots = mask.global_slots()
     if slots is None:
         raise ValueError(
             f'"{NAME}" attention needs a static number of global tokens: build the '

@@ -364,16 +364,9 @@ def test_trainer_state_is_one_untracked_object_per_model():
     assert [k for k in vars(backbone) if k.startswith("_kbert")] == ["_kbert_state"]
 
 
-def test_jax_predict_on_batch_is_keras_predict_on_batch_as_the_model_changes():
-    """kbert's JAX `predict_on_batch` (variable lists kept between calls)
-    gives what Keras' own gives as the model changes under it: new weights,
-    a frozen backbone (other lists, at a new shape too), quantized layers;
-    the variables stay usable (nothing donated is left in them) and only
-    the changes re-take the lists."""
-    if keras.backend.backend() != "jax":
-        pytest.skip("the JAX trainer only")
-    from kbert.backend.state import state_of
-
+def _classifier_against_keras_predict_on_batch():
+    """(model, batch, both): a tiny classifier, a padded batch of two, and
+    `both(batch)`, kbert's `predict_on_batch` checked against Keras' own."""
     backbone = kbert.BertBackbone(**dict(TINY, max_sequence_length=64))
     model = kbert.BertClassifier(backbone, num_classes=3)
     x = tiny_batch(2)
@@ -385,6 +378,21 @@ def test_jax_predict_on_batch_is_keras_predict_on_batch_as_the_model_changes():
         keras_own = keras.Model.predict_on_batch(model, batch)
         np.testing.assert_allclose(ours, keras_own, rtol=1e-6, atol=1e-6)
         return ours
+
+    return model, x, both
+
+
+def test_jax_predict_on_batch_is_keras_predict_on_batch_as_the_model_changes():
+    """kbert's JAX `predict_on_batch` (variable lists kept between calls)
+    gives what Keras' own gives as the model changes under it: new weights,
+    a frozen backbone (other lists, at a new shape too), quantized layers;
+    the variables stay usable (nothing donated is left in them) and only
+    the changes re-take the lists."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX trainer only")
+    from kbert.backend.state import state_of
+
+    model, x, both = _classifier_against_keras_predict_on_batch()
 
     first = both(x)
     cache = state_of(model).predict_on_batch
@@ -417,17 +425,7 @@ def test_tensorflow_predict_on_batch_is_keras_predict_on_batch_as_the_model_chan
     from kbert.backend.state import state_of
     from kbert.backend.tensorflow import DirectPredict
 
-    backbone = kbert.BertBackbone(**dict(TINY, max_sequence_length=64))
-    model = kbert.BertClassifier(backbone, num_classes=3)
-    x = tiny_batch(2)
-    x["token_ids"] = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], "int32")
-    x["padding_mask"] = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], "int32")
-
-    def both(batch):
-        ours = model.predict_on_batch(batch)
-        keras_own = keras.Model.predict_on_batch(model, batch)
-        np.testing.assert_allclose(ours, keras_own, rtol=1e-6, atol=1e-6)
-        return ours
+    model, x, both = _classifier_against_keras_predict_on_batch()
 
     first = both(x)
     direct = state_of(model).predict_on_batch
@@ -441,7 +439,7 @@ def test_tensorflow_predict_on_batch_is_keras_predict_on_batch_as_the_model_chan
     model.quantize("int8")
     assert np.abs(both(x) - floating).max() > 0  # the int8 layers ran
     assert state_of(model).predict_on_batch is not direct  # a new function
-    xla = kbert.BertClassifier(backbone, num_classes=3)
+    xla = kbert.BertClassifier(model.backbone, num_classes=3)
     xla.jit_compile = True
     xla.predict_on_batch(x)
     assert state_of(xla).predict_on_batch is None  # Keras' XLA step

@@ -53,6 +53,13 @@ def parse_args(argv=None):
         "--source-length", type=int, default=64, help="source tokens, [CLS] and [SEP] in"
     )
     p.add_argument("--target-length", type=int, default=64, help="decoder tokens, the start in")
+    p.add_argument(
+        "--recipe",
+        default="bert",
+        choices=("bert", "transformers"),
+        help="bert: compile's AdamW (the original BERT's schedule and weight-decay exclusions); "
+        "transformers: its Trainer's (epsilon 1e-8, decay on every weight, the line from the peak)",
+    )
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--max-train-examples", type=int, default=None)
     p.add_argument("--max-eval-examples", type=int, default=None)
@@ -115,7 +122,13 @@ def run(args):
     held = read_wikisplit(os.path.join(args.data_dir, "validation.tsv"), args.max_eval_examples)
     model = build_model(args.system, args.preset, args.source_length, args.dtype)
     steps = args.epochs * -(-len(train[0]) // args.batch_size)
-    model.compile(learning_rate=args.learning_rate, num_train_steps=steps)
+    if args.recipe == "transformers":
+        optimizer = kbert.training.create_optimizer(
+            args.learning_rate, steps, steps // 10, epsilon=1e-8, no_decay=(), from_peak=True
+        )
+        model.compile(optimizer=optimizer)
+    else:
+        model.compile(learning_rate=args.learning_rate, num_train_steps=steps)
     start = time.perf_counter()
     history = model.fit(
         *train,
@@ -141,6 +154,7 @@ def run(args):
         "train_examples": len(train[0]),
         "eval_examples": len(held[0]),
         "epochs": args.epochs,
+        "recipe": args.recipe,
         "final_loss": float(history.history["loss"][-1]),
         "epoch_losses": [round(float(v), 4) for v in history.history["loss"]],
         "train_seconds": round(train_seconds, 2),

@@ -312,6 +312,18 @@ def learning_rate_object(optimizer):
     return getattr(optimizer, "_learning_rate", None)
 
 
+def weight_decay_excluded(optimizer, variables):
+    """Those of `variables` the optimizer keeps out of its weight decay, by
+    its name patterns and variable list, or None when it has neither
+    (`BaseOptimizer._exclude_from_weight_decay_pattern`,
+    `_exclude_from_weight_decay` and `_use_weight_decay`, 3.10-3.15; Keras
+    has no public reader of `exclude_from_weight_decay`'s settings)."""
+    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    if pattern is None and not getattr(optimizer, "_exclude_from_weight_decay", None):
+        return None
+    return [v for v in variables if not optimizer._use_weight_decay(v)]
+
+
 def iterations_variable(optimizer):
     """The step counter variable itself (`BaseOptimizer._iterations`,
     3.10-3.15); the public `iterations` is a derived value under gradient

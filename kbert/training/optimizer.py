@@ -15,30 +15,46 @@ EPSILON = 1e-6  # Adam's epsilon in the original BERT's optimization.py
 @keras.saving.register_keras_serializable(package="kbert")
 class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
     """lr(step) = peak * step / warmup before `warmup_steps`, then
-    peak * (1 - step / total_steps) (as the original `optimization.py`).
+    peak * (1 - step / total_steps) (as the original `optimization.py`: the
+    decay line starts at 0 and warm-up cuts into it, so the rate after
+    warm-up is peak * (1 - warmup / total)).
 
     Args:
         peak_learning_rate: float.
         total_steps: int. steps to decay to 0 over.
         warmup_steps: int. linear warm-up steps.
+        from_peak: bool. decay from the peak at the end of warm-up,
+            peak * (total - step) / (total - warmup), as transformers'
+            `get_linear_schedule_with_warmup`.
 
     Example:
     >>> float(WarmupLinearDecay(1e-4, 100, 10)(5))
     5e-05
+    >>> [round(float(WarmupLinearDecay(1e-4, 100, 10, f)(10)), 9) for f in (False, True)]
+    [9e-05, 0.0001]
     """
 
-    def __init__(self, peak_learning_rate, total_steps, warmup_steps=0):
+    def __init__(self, peak_learning_rate, total_steps, warmup_steps=0, from_peak=False):
         if total_steps < 1:
             raise ValueError(f"total_steps must be at least 1, got {total_steps}")
+        if from_peak and not 0 <= warmup_steps < total_steps:
+            raise ValueError(
+                f"from_peak needs warmup_steps ({warmup_steps}) below total_steps ({total_steps})"
+            )
         self.peak_learning_rate = float(peak_learning_rate)
         self.total_steps = int(total_steps)
         self.warmup_steps = int(warmup_steps)
+        self.from_peak = bool(from_peak)
 
     def __call__(self, step):
         step = ops.cast(step, "float32")
         # relu, not maximum(0.0, .): a Python constant becomes a host-to-device
         # copy on torch, which synchronises the stream every step.
-        decay = self.peak_learning_rate * ops.relu(1.0 - step / self.total_steps)
+        if self.from_peak:
+            left = (self.total_steps - step) / (self.total_steps - self.warmup_steps)
+            decay = self.peak_learning_rate * ops.relu(left)
+        else:
+            decay = self.peak_learning_rate * ops.relu(1.0 - step / self.total_steps)
         if self.warmup_steps <= 0:
             return decay
         warmup = self.peak_learning_rate * step / self.warmup_steps
@@ -49,6 +65,7 @@ class WarmupLinearDecay(keras.optimizers.schedules.LearningRateSchedule):
             "peak_learning_rate": self.peak_learning_rate,
             "total_steps": self.total_steps,
             "warmup_steps": self.warmup_steps,
+            "from_peak": self.from_peak,
         }
 
 
@@ -152,8 +169,14 @@ def create_optimizer(
     clipnorm=1.0,
     kind="adamw",
     epsilon=EPSILON,
+    no_decay=NO_DECAY,
+    from_peak=False,
 ):
     """AdamW (or LAMB) with the BERT schedule and weight-decay exclusions.
+
+    The defaults are the original BERT's recipe. transformers' (`Trainer`,
+    `AdamW` + `get_linear_schedule_with_warmup`) is `epsilon=1e-8,
+    no_decay=(), from_peak=True`.
 
     Args:
         learning_rate: float. peak learning rate.
@@ -164,8 +187,13 @@ def create_optimizer(
         kind: str. "adamw" or "lamb".
         epsilon: float. added to the root of the second moment (the
             original BERT's 1e-6; transformers' default is 1e-8).
+        no_decay: names of variables kept out of the weight decay (any
+            variable whose name contains one): LayerNorm's `gamma` and
+            `beta` and every `bias` by default; () decays every weight.
+        from_peak: bool. after warm-up, decay from the peak rather than
+            along the original BERT's line (`WarmupLinearDecay`).
     """
-    schedule = WarmupLinearDecay(learning_rate, num_train_steps, num_warmup_steps)
+    schedule = WarmupLinearDecay(learning_rate, num_train_steps, num_warmup_steps, from_peak)
     common = dict(learning_rate=schedule, weight_decay=weight_decay, global_clipnorm=clipnorm)
     if kind == "adamw":
         optimizer = AdamW(beta_1=0.9, beta_2=0.999, epsilon=epsilon, **common)
@@ -173,19 +201,25 @@ def create_optimizer(
         optimizer = Lamb(beta_1=0.9, beta_2=0.999, epsilon=epsilon, **common)
     else:
         raise ValueError(f"unknown optimizer {kind!r}; use 'adamw' or 'lamb'")
-    optimizer.exclude_from_weight_decay(var_names=list(NO_DECAY))
+    if no_decay:
+        optimizer.exclude_from_weight_decay(var_names=list(no_decay))
     return optimizer
 
 
 def exclude_from_weight_decay(optimizer, model):
-    """Pins the LayerNorm/bias exclusion to `model`'s variables by identity.
+    """Pins the optimizer's own weight-decay exclusions to `model`'s
+    variables by identity.
 
-    Same variables as the name patterns, but matched without a regular
-    expression in the step, which keeps the step traceable by torch.compile.
-    A no-op for optimizers without weight decay or already built.
+    The variables its name patterns (`exclude_from_weight_decay(var_names=)`)
+    and variable list already pick, matched once here rather than by a
+    regular expression in the step, which keeps the step traceable by
+    torch.compile. An optimizer without exclusions decays every weight, as
+    its maker asked. A no-op for optimizers without weight decay or already
+    built.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     if not getattr(inner, "weight_decay", None) or inner.built:
         return
-    excluded = [v for v in model.trainable_variables if any(n in v.name for n in NO_DECAY)]
-    inner.exclude_from_weight_decay(var_list=excluded)
+    excluded = keras_internals.weight_decay_excluded(inner, model.trainable_variables)
+    if excluded is not None:
+        inner.exclude_from_weight_decay(var_list=excluded)

@@ -66,6 +66,13 @@ def test_private_methods_have_the_expected_signatures():
     assert parameters(optimizer._get_variable_index) == ["self", "variable"]
     assert parameters(optimizer._apply_weight_decay) == ["self", "variables"]
     assert parameters(optimizer._use_weight_decay) == ["self", "variable"]
+    named = optimizer(weight_decay=0.1)
+    named.exclude_from_weight_decay(var_names=["bias"])
+    assert named._exclude_from_weight_decay_pattern is not None
+    listed = optimizer(weight_decay=0.1)
+    kernel = keras.Variable(np.ones((2,)), name="kernel")
+    listed.exclude_from_weight_decay(var_list=[kernel])
+    assert listed._exclude_from_weight_decay
 
 
 def test_a_build_within_load_model_is_seen_as_one(tmp_path, monkeypatch):

@@ -27,6 +27,56 @@ def test_schedule_matches_the_original():
     np.testing.assert_allclose(values, [0.0, 5e-4, 9e-4, 5e-4, 0.0, 0.0], atol=1e-9)
 
 
+def test_schedule_from_peak_matches_transformers_linear_warmup():
+    """transformers' `get_linear_schedule_with_warmup`: warm-up to the peak,
+    then a line from the peak to 0 at the last step."""
+    total, warmup, peak = 100, 10, 1e-3
+    schedule = WarmupLinearDecay(peak, total_steps=total, warmup_steps=warmup, from_peak=True)
+    steps = (0, 5, 10, 55, 99, 100, 150)
+    expected = [
+        peak * (s / warmup if s < warmup else max(0.0, (total - s) / (total - warmup)))
+        for s in steps
+    ]
+    values = [float(keras.ops.convert_to_numpy(schedule(s))) for s in steps]
+    np.testing.assert_allclose(values, expected, atol=1e-9)
+    assert WarmupLinearDecay.from_config(schedule.get_config()).from_peak
+    with pytest.raises(ValueError, match="from_peak needs warmup_steps"):
+        WarmupLinearDecay(peak, total_steps=10, warmup_steps=10, from_peak=True)
+
+
+def _decayed_after_compile(optimizer):
+    """{variable path: whether `optimizer`, given to a classifier's
+    `compile`, decays it} for one kernel, one bias and one LayerNorm scale."""
+    classifier = kbert.BertClassifier(kbert.BertBackbone(**TINY), 2)
+    classifier.compile(optimizer=optimizer)
+    picked = {}
+    for v in classifier.trainable_variables:
+        kind = v.name if v.name in ("kernel", "bias", "gamma") else None
+        if kind and kind not in picked:
+            picked[kind] = v
+    inner = classifier.optimizer
+    return {kind: bool(inner._use_weight_decay(v)) for kind, v in picked.items()}
+
+
+def test_compile_keeps_the_callers_weight_decay_exclusions():
+    """`compile` pins an optimizer's own exclusions to the model's variables;
+    it adds none to an optimizer that has none (transformers' recipe decays
+    every weight) and does not replace the caller's with kbert's."""
+    assert _decayed_after_compile("adamw") == {"kernel": True, "bias": False, "gamma": False}
+    everything = keras.optimizers.AdamW(1e-4, weight_decay=0.01)
+    assert _decayed_after_compile(everything) == {"kernel": True, "bias": True, "gamma": True}
+    own = keras.optimizers.AdamW(1e-4, weight_decay=0.01)
+    own.exclude_from_weight_decay(var_names=["kernel"])
+    assert _decayed_after_compile(own) == {"kernel": False, "bias": True, "gamma": True}
+    recipe = create_optimizer(1e-4, 100, 10, epsilon=1e-8, no_decay=(), from_peak=True)
+    assert _decayed_after_compile(recipe) == {"kernel": True, "bias": True, "gamma": True}
+    assert _decayed_after_compile(create_optimizer(1e-4, 100, 10)) == {
+        "kernel": True,
+        "bias": False,
+        "gamma": False,
+    }
+
+
 def test_compile_epsilon_default_per_task_and_checked():
     """`compile`'s Adam epsilon: the task's `adam_epsilon` (the original
     BERT's 1e-6; 1e-8 where new weights get tiny gradients), or the

@@ -24,8 +24,10 @@ Differences the conversion absorbs:
 - one window for all layers: a config whose `attention_window` differs
   between layers is refused.
 
-The tokenizer (byte-level BPE) is not read: tokenize with the `tokenizers`
-library from the directory's `tokenizer.json` and pass the ids.
+The tokenizer is the directory's byte-level BPE `tokenizer.json`
+(`kbert.tokenizers.ByteLevelBPETokenizer`, RoBERTa's packing), which
+`BertPreprocessor.from_directory` and the task models' `from_preset` pick
+up as they pick up a BERT vocabulary.
 """
 
 import numpy as np
@@ -152,9 +154,6 @@ class LongformerLoader(hf.HuggingFaceLoader):
 
     def backbone_weights(self, config):
         return backbone_weights_from_hf(self.hf_state, config, position_offset(self.hf_config))
-
-    def tokenizer(self, rules=None):
-        return None  # byte-level BPE: see the module docstring
 
     def task_head(self, task_cls, load_weights=True):
         return None

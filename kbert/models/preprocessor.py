@@ -8,6 +8,8 @@ import numpy as np
 
 from kbert.presets.loader import loader_for
 from kbert.tokenizers import BertTokenizer
+from kbert.tokenizers import bpe
+from kbert.tokenizers.bpe import ByteLevelBPETokenizer
 from kbert.utils.files import load_json, preset_file
 
 PREPROCESSOR_FILE = "preprocessor.json"
@@ -22,7 +24,8 @@ class BertPreprocessor(keras.layers.Layer):
     in-graph path. Both give the same ids.
 
     Args:
-        tokenizer: `kbert.BertTokenizer`.
+        tokenizer: `kbert.BertTokenizer`, or `kbert.tokenizers.ByteLevelBPETokenizer`
+            (RoBERTa / Longformer `tokenizer.json`, RoBERTa's packing).
         sequence_length: int. packed length T.
         truncate: str. only "longest_first" (the original BERT rule).
 
@@ -36,7 +39,10 @@ class BertPreprocessor(keras.layers.Layer):
     def __init__(self, tokenizer, sequence_length=128, truncate="longest_first", **kwargs):
         kwargs.pop("dtype", None)
         super().__init__(trainable=False, dtype="int32", **kwargs)
-        if isinstance(tokenizer, dict):
+        if isinstance(tokenizer, dict) and tokenizer.get("kind") == bpe.KIND:
+            # embeds the tokenizer.json text itself, never a path
+            tokenizer = ByteLevelBPETokenizer.from_config(tokenizer)
+        elif isinstance(tokenizer, dict):
             # A config (from a .keras file or preset) must carry the vocabulary
             # itself: a string there would make loading read a file named by
             # the artifact.
@@ -101,8 +107,10 @@ class BertPreprocessor(keras.layers.Layer):
         config.pop("dtype", None)
         config.pop("trainable", None)
         tok = self.tokenizer
-        config.update(
-            tokenizer={
+        if isinstance(tok, ByteLevelBPETokenizer):
+            embedded = tok.get_config()
+        else:
+            embedded = {
                 "vocabulary": tok.vocabulary,
                 "lowercase": tok.lowercase,
                 "max_input_chars_per_word": tok.max_input_chars_per_word,
@@ -110,7 +118,9 @@ class BertPreprocessor(keras.layers.Layer):
                 "strip_accents": tok.strip_accents,
                 "tokenize_chinese_chars": tok.tokenize_chinese_chars,
                 **{f"{k}_token": v for k, v in tok.special_tokens.items()},
-            },
+            }
+        config.update(
+            tokenizer=embedded,
             sequence_length=self.sequence_length,
             truncate=self.truncate,
         )
@@ -134,14 +144,18 @@ class BertPreprocessor(keras.layers.Layer):
         "original" for an original TF checkpoint; `rules` overrides them (see
         `kbert.tokenizers.wordpiece.detect_rules`).
         """
-        if not os.path.isfile(os.path.join(directory, "vocab.txt")):
-            loader = loader_for(directory, required=False)  # e.g. keras-hub's own vocabulary
-            tokenizer = loader.tokenizer(rules) if loader is not None else None
-            return cls(tokenizer, default_sequence_length) if tokenizer is not None else None
         sequence_length = default_sequence_length
         path = preset_file(directory, PREPROCESSOR_FILE)
         if os.path.exists(path):
             sequence_length = load_json(path).get("sequence_length", sequence_length)
+        if not os.path.isfile(os.path.join(directory, "vocab.txt")):
+            # keras-hub's own vocabulary, a BPE tokenizer.json (RoBERTa, Longformer)
+            loader = loader_for(directory, required=False)
+            if loader is not None:
+                tokenizer = loader.tokenizer(rules)
+            else:  # tokenizer files alone
+                tokenizer = bpe.load_if_present(directory)
+            return cls(tokenizer, sequence_length) if tokenizer is not None else None
         return cls(BertTokenizer.load(directory, rules=rules), sequence_length)
 
 

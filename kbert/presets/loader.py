@@ -38,7 +38,7 @@ import os
 from kbert.presets import io
 from kbert.presets.architectures import check_backbone_config
 from kbert.presets.weights import held_sizes
-from kbert.tokenizers import BertTokenizer
+from kbert.tokenizers import BertTokenizer, bpe
 from kbert.tokenizers.wordpiece import VOCAB_FILE
 
 logger = logging.getLogger("kbert")
@@ -175,10 +175,12 @@ class PresetLoader:
     # --- tokenizer and heads --------------------------------------------------
 
     def tokenizer(self, rules=None):
-        """The `BertTokenizer` of the directory's vocabulary, or None."""
-        if not os.path.isfile(os.path.join(self.directory, VOCAB_FILE)):
-            return None
-        return BertTokenizer.load(self.directory, rules=rules)
+        """The `BertTokenizer` of the directory's vocabulary, the
+        `ByteLevelBPETokenizer` of a BPE tokenizer.json without one (RoBERTa,
+        Longformer; `rules` do not apply), or None."""
+        if os.path.isfile(os.path.join(self.directory, VOCAB_FILE)):
+            return BertTokenizer.load(self.directory, rules=rules)
+        return bpe.load_if_present(self.directory)
 
     def task_head(self, task_cls, load_weights=True):
         """The `TaskHead` of `task_cls` the directory holds, or None."""

@@ -147,3 +147,41 @@ def test_longformer_configs_kbert_cannot_take_are_refused(tmp_path):
     _longformer(tmp_path / "mixed", attention_window=[8, 4])
     with pytest.raises(PresetError, match="attention_window differs between layers"):
         kbert.BertBackbone.from_preset(tmp_path / "mixed")
+
+
+def test_longformer_directory_with_its_tokenizer_reads_raw_text(tmp_path):
+    """A Longformer directory's byte-level BPE tokenizer.json comes with it:
+    a classifier from the directory packs raw text as transformers'
+    tokenizer does, the backbone then gives LongformerModel's outputs, and a
+    saved preset keeps the tokenizer."""
+    from tests.tokenizers.test_bpe import PAIRS, TEXTS, bpe_json
+
+    (tmp_path / "lf").mkdir()
+    (tmp_path / "lf" / "tokenizer.json").write_text(bpe_json(400), encoding="utf-8")
+    reference = _longformer(tmp_path / "lf", vocab_size=400)
+    names = dict(bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>")
+    names.update(pad_token="<pad>", unk_token="<unk>", mask_token="<mask>")
+    their_tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "lf" / "tokenizer.json"), **names
+    )
+    model = kbert.BertClassifier.from_preset(tmp_path / "lf", num_classes=2)
+    length = model.preprocessor.sequence_length
+    assert length == 64  # the backbone's positions, under the default 128
+    theirs = their_tokenizer(
+        TEXTS, PAIRS, truncation="longest_first", max_length=length, padding="max_length"
+    )
+    x = model.preprocessor(TEXTS, PAIRS)
+    np.testing.assert_array_equal(x["token_ids"], theirs["input_ids"])
+    np.testing.assert_array_equal(x["padding_mask"], theirs["attention_mask"])
+    first = np.zeros_like(x["token_ids"])
+    first[:, 0] = 1
+    sequence, pooled = _reference(reference, x, first)
+    out = {k: keras.ops.convert_to_numpy(v) for k, v in model.backbone(x).items()}
+    np.testing.assert_allclose(_masked(out["sequence_output"], x), _masked(sequence, x), atol=1e-5)
+    np.testing.assert_allclose(out["pooled_output"], pooled, atol=1e-5)
+    model.save_to_preset(tmp_path / "preset")
+    again = kbert.BertClassifier.from_preset(tmp_path / "preset")
+    np.testing.assert_array_equal(again.preprocessor(TEXTS, PAIRS)["token_ids"], x["token_ids"])
+    np.testing.assert_allclose(
+        again.predict(TEXTS, verbose=0), model.predict(TEXTS, verbose=0), atol=1e-5
+    )

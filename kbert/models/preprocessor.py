@@ -7,8 +7,7 @@ import keras
 import numpy as np
 
 from kbert.presets.loader import loader_for
-from kbert.tokenizers import BertTokenizer
-from kbert.tokenizers import bpe
+from kbert.tokenizers import BertTokenizer, bpe
 from kbert.tokenizers.bpe import ByteLevelBPETokenizer
 from kbert.utils.files import load_json, preset_file
 

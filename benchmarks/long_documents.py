@@ -229,6 +229,8 @@ def run(system, args, preset, data, seed):
         epochs.append(
             {name: scores(model, *data[name], args.batch_size) for name in ("dev", "test")}
         )
+        progress = {"system": system, "seed": seed, "epoch": epoch + 1, **epochs[-1]}
+        print(json.dumps({**progress, "seconds": round(time.time() - start, 1)}), flush=True)
     best = max(range(len(epochs)), key=lambda e: (epochs[e]["dev"]["f1"], -e))
     return {
         "system": system,

@@ -167,9 +167,11 @@ class BertQuestionAnswerer(Task):
         # each distinct context tokenized once (SQuAD: ~5 questions each), all in one call
         distinct = list(dict.fromkeys(contexts))
         context_tokens = dict(zip(distinct, tokenizer.tokenize_with_offsets(distinct)))
+        # between the segments: [SEP] (BERT), </s></s> (RoBERTa's packing, one token type)
+        between, second = list(tokenizer.pair_separator_ids), tokenizer.second_segment_id
         for index, (question, context) in enumerate(zip(questions, contexts)):
             query = question_ids[index][: self.max_query_length]
-            room = length - len(query) - 3
+            room = length - len(query) - 2 - len(between)
             if room < 1:
                 raise ValueError(
                     f"sequence_length={length} leaves no room for the context after a "
@@ -183,17 +185,12 @@ class BertQuestionAnswerer(Task):
             while True:
                 window = slice(window_start, min(window_start + room, len(ids)))
                 piece = ids[window]
-                offset = len(query) + 2
-                token_ids = (
-                    [tokenizer.cls_id]
-                    + query
-                    + [tokenizer.sep_id]
-                    + list(piece)
-                    + [tokenizer.sep_id]
-                )
+                offset = len(query) + 1 + len(between)
+                token_ids = [tokenizer.cls_id] + query + between + list(piece) + [tokenizer.sep_id]
                 n = len(token_ids)
                 rows["token_ids"].append(token_ids + [tokenizer.pad_id] * (length - n))
-                rows["segment_ids"].append([0] * offset + [1] * (n - offset) + [0] * (length - n))
+                segments = [0] * offset + [second] * (n - offset) + [0] * (length - n)
+                rows["segment_ids"].append(segments)
                 rows["padding_mask"].append([1] * n + [0] * (length - n))
                 token_starts = np.full(length, -1, "int64")
                 token_ends = np.full(length, -1, "int64")

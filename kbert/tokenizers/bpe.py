@@ -148,6 +148,9 @@ class ByteLevelBPETokenizer:
         self.cls_id = vocab[cls_token]
         self.sep_id = vocab[sep_token]
         self.mask_id = vocab[mask_token]
+        # RoBERTa's pair layout, for code that packs pairs itself (question answering)
+        self.pair_separator_ids = [self.sep_id, self.sep_id]
+        self.second_segment_id = 0
 
     # --- construction -----------------------------------------------------
 

@@ -153,6 +153,9 @@ class BertTokenizer:
         self.cls_id = self._token_to_id[cls_token]
         self.sep_id = self._token_to_id[sep_token]
         self.mask_id = self._token_to_id[mask_token]
+        # the pair layout [CLS] A [SEP] B [SEP], for code that packs pairs itself
+        self.pair_separator_ids = [self.sep_id]
+        self.second_segment_id = 1
         self._patterns = _Patterns.get(rules)
         self._engine = self._build_engine()
         self._cache = {}

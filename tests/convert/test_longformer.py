@@ -185,3 +185,30 @@ def test_longformer_directory_with_its_tokenizer_reads_raw_text(tmp_path):
     np.testing.assert_allclose(
         again.predict(TEXTS, verbose=0), model.predict(TEXTS, verbose=0), atol=1e-5
     )
+
+
+def test_longformer_question_answerer_packs_questions_as_roberta(tmp_path):
+    """A question answerer on a Longformer directory packs `<s> q </s></s>
+    context </s>` with one token type, as transformers' tokenizer packs the
+    pair, and maps its windows' tokens back to the context's characters."""
+    from tests.tokenizers.test_bpe import bpe_json
+
+    (tmp_path / "tokenizer.json").write_text(bpe_json(400), encoding="utf-8")
+    _longformer(tmp_path, vocab_size=400)
+    names = dict(bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>")
+    names.update(pad_token="<pad>", unk_token="<unk>", mask_token="<mask>")
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), **names
+    )
+    qa = kbert.BertQuestionAnswerer.from_preset(tmp_path)
+    question, context = "Who observes?", "Nobody by any chance ever observes the world."
+    answer = {"text": "Nobody", "answer_start": 0}
+    features = qa.prepare_features([question], [context], [answer])
+    expected = theirs(question, context, max_length=64, padding="max_length")["input_ids"]
+    np.testing.assert_array_equal(features.x["token_ids"][0], expected)
+    assert not features.x["segment_ids"].any()
+    first = int(np.argmax(features.context_mask[0]))  # the context's first token
+    start, end = features.y["start_positions"][0], features.y["end_positions"][0]
+    assert start == first and features.token_starts[0][first] == 0
+    assert context[features.token_starts[0][start] : features.token_ends[0][end]] == "Nobody"
+    assert len(qa.predict_answers([question], [context])) == 1

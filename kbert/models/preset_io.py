@@ -16,6 +16,7 @@ import keras
 import kbert.convert  # noqa: F401  (registers the foreign formats with loader_for)
 from kbert.export import export_model
 from kbert.layers import initializers
+from kbert.layers.banded_attention import FIRST_SEGMENT
 from kbert.layers.quantization import (
     apply_quantization,
     quantized_layers,
@@ -245,11 +246,20 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     when the directory holds one of this class (kbert task preset, Hugging
     Face or original TF checkpoint), otherwise a fresh head on its backbone."""
     backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
-    if backbone_overrides.get("attention_window"):
-        # the task's choice of global tokens for a window it asks for (e.g. the question)
-        backbone_overrides = {**cls.window_defaults(kwargs), **backbone_overrides}
     allow_pickle = backbone_overrides.pop("allow_pickle", False)
     loader = loader_for(directory, allow_pickle)
+    if backbone_overrides.get("attention_window"):
+        # the task's choice of global tokens for a window it asks for (e.g. the question)
+        defaults = cls.window_defaults(kwargs)
+        one_type = loader.backbone_config().get("type_vocab_size", 2) < 2
+        if defaults.get("global_tokens") == FIRST_SEGMENT and one_type:
+            logger.warning(
+                "%s: one token type (RoBERTa-style packing), so the first segment cannot be "
+                "told from the second: global tokens stay the backbone's ([CLS])",
+                directory,
+            )
+            defaults = {}
+        backbone_overrides = {**defaults, **backbone_overrides}
     backbone = build_backbone(cls.backbone_cls, loader, load_weights, backbone_overrides)
     head = loader.task_head(cls, load_weights)
     if "preprocessor" not in kwargs:

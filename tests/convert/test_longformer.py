@@ -212,3 +212,6 @@ def test_longformer_question_answerer_packs_questions_as_roberta(tmp_path):
     assert start == first and features.token_starts[0][first] == 0
     assert context[features.token_starts[0][start] : features.token_ends[0][end]] == "Nobody"
     assert len(qa.predict_answers([question], [context])) == 1
+    # one token type: "first_segment" would make the context global too
+    windowed = kbert.BertQuestionAnswerer.from_preset(tmp_path, attention_window=16)
+    assert windowed.backbone.get_config()["global_tokens"] == 1

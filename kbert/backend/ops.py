@@ -113,7 +113,10 @@ integer product, slower on a CPU than the float32 product it replaces.
 - TensorFlow outside XLA: oneDNN's `QuantizedMatMulWithBias` with int32
   output, where the build has it (x + 128 as unsigned bytes; the kernel's
   column sums times 128 subtracted through the int32 bias, so the result
-  is exact); inside XLA, or without that kernel, `matmul` with int32 output.
+  is exact); small products over at most 1,024 terms the float32 product,
+  which is exact there and skips oneDNN's fixed cost per call
+  (`tf-float32-exact`); inside XLA, or without that kernel, `matmul` with
+  int32 output.
 - JAX: `dot_general` with int32 accumulation (what Keras runs already).
 - Inside `portable_graph()` (export): `keras.ops.matmul` everywhere.
 """
@@ -188,7 +191,9 @@ def int8_matmul_path(inputs=None, kernel=None):
             ops.convert_to_tensor(inputs), ops.convert_to_tensor(kernel)
         )
     if backend.is_tensorflow():
-        return tf_ops.int8_matmul_path()
+        if inputs is None or kernel is None:
+            return tf_ops.int8_matmul_path()
+        return tf_ops.int8_matmul_path(ops.convert_to_tensor(inputs), ops.convert_to_tensor(kernel))
     return "keras-matmul-int32"
 
 

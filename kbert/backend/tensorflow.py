@@ -2,6 +2,7 @@
 logs, token packing on a CPU, the fused Adam update, the int8 product. TensorFlow is imported
 only when the backend is TensorFlow."""
 
+import math
 import weakref
 
 import keras
@@ -327,25 +328,75 @@ def _onednn_product(x2, kernel):
     return tf.bitcast(out, tf.int32)
 
 
-def int8_matmul_path():
-    """Which product `int8_matmul` runs here."""
+# float32 holds every integer up to 2**24 exactly. With |x|, |k| <= 128 each
+# term of an int8 product is at most 2**14, so over at most 1,024 terms every
+# partial sum is an integer float32 holds: the float32 product of the int8
+# values, cast back, is the int32 product, bit for bit.
+EXACT_FLOAT_DEPTH = 1024
+# Below this many multiply-adds the float32 product is the faster one on a
+# CPU: oneDNN's quantized product has a fixed cost per call (about 130
+# microseconds more than a float32 product of 20 x 512 x 128 inside a graph,
+# on a 2-core x86 CPU) that a small product never repays; at 640 x 384 x
+# 1,536 (377M) the quantized product takes half the float32 time.
+FLOAT_PRODUCT_MACS = 1 << 25
+
+
+def int8_matmul_path(inputs=None, kernel=None):
+    """Which product `int8_matmul` runs here (for these operands, where
+    their static shapes decide it; "tf-onednn-int8" stands for the run-time
+    choice between it and "tf-float32-exact" when the rows are unknown)."""
     import tensorflow as tf
 
     if in_xla_context() or tf.config.list_logical_devices("GPU"):
         return "tf-matmul-int32"  # the oneDNN kernel is a CPU kernel, outside XLA
     if not _onednn_int8_available():
         return "tf-matmul-int32"
+    if inputs is not None and kernel is not None:
+        depth, width = kernel.shape[-2], kernel.shape[-1]
+        rows = math.prod(inputs.shape[:-1]) if None not in inputs.shape[:-1] else None
+        if depth <= EXACT_FLOAT_DEPTH and rows is not None:
+            if rows * depth * width <= FLOAT_PRODUCT_MACS:
+                return "tf-float32-exact"
     return "tf-onednn-int8"
 
 
+def _float_product(x2, kernel):
+    """The exact int32 product of int8 x2 (M, I <= EXACT_FLOAT_DEPTH) and
+    kernel through the float32 product."""
+    import tensorflow as tf
+
+    product = tf.linalg.matmul(tf.cast(x2, tf.float32), tf.cast(kernel, tf.float32))
+    return tf.cast(product, tf.int32)
+
+
 def int8_matmul(inputs, kernel):
-    """inputs (..., I) int8 @ kernel (I, O) int8 -> (..., O) int32, exact."""
+    """inputs (..., I) int8 @ kernel (I, O) int8 -> (..., O) int32, exact.
+
+    On a CPU outside XLA: oneDNN's quantized product, or for products of at
+    most `FLOAT_PRODUCT_MACS` multiply-adds over at most
+    `EXACT_FLOAT_DEPTH` terms the float32 product (exact there, and faster);
+    decided in Python for static rows, in the graph otherwise."""
     import tensorflow as tf
 
     inputs = tf.convert_to_tensor(inputs)
     kernel = tf.convert_to_tensor(kernel)
-    if int8_matmul_path() == "tf-matmul-int32":
+    path = int8_matmul_path()
+    if path == "tf-matmul-int32":
         return tf.linalg.matmul(inputs, kernel, output_type=tf.int32)
     lead = tf.shape(inputs)[:-1]
-    out = _onednn_product(tf.reshape(inputs, (-1, tf.shape(inputs)[-1])), kernel)
+    x2 = tf.reshape(inputs, (-1, tf.shape(inputs)[-1]))
+    depth, width = kernel.shape[-2], kernel.shape[-1]
+    if depth is None or width is None or depth > EXACT_FLOAT_DEPTH:
+        out = _onednn_product(x2, kernel)
+    elif int8_matmul_path(inputs, kernel) == "tf-float32-exact":
+        out = _float_product(x2, kernel)
+    elif None in inputs.shape[:-1]:
+        macs = tf.cast(tf.shape(x2)[0], tf.int64) * (depth * width)
+        out = tf.cond(
+            macs <= FLOAT_PRODUCT_MACS,
+            lambda: _float_product(x2, kernel),
+            lambda: _onednn_product(x2, kernel),
+        )
+    else:
+        out = _onednn_product(x2, kernel)
     return tf.reshape(out, tf.concat([lead, tf.shape(kernel)[-1:]], 0))

@@ -132,10 +132,46 @@ def test_int8_inference_product_is_keras_int8_product(shape):
     )
     expected_path = {
         "torch": "torch-int-mm",
-        "tensorflow": "tf-onednn-int8",
+        "tensorflow": "tf-float32-exact",  # a small product over few terms
         "jax": "keras-matmul-int32",
     }[keras.backend.backend()]
     assert backend_ops.int8_matmul_path(exact, layer.kernel) == expected_path
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's CPU products")
+def test_tensorflow_int8_products_are_exact_on_every_path(monkeypatch):
+    """TensorFlow picks the float32 product for small products over at most
+    1,024 terms (exact there) and oneDNN's int8 product otherwise, by static
+    shape or, for rows unknown until run time, in the graph: every choice
+    gives the integers of the int64 product, at the extremes of Keras' int8
+    range (-127..127) too."""
+    import tensorflow as tf
+
+    from kbert.backend import tensorflow as tf_backend
+
+    if tf_backend.int8_matmul_path() != "tf-onednn-int8":
+        pytest.skip("this TensorFlow build has no oneDNN int8 product")
+    rng = np.random.default_rng(0)
+    for depth in (1024, 1100):  # the float32 bound, and past it
+        x = rng.choice(np.array([-127, 127], "int8"), (6, depth))
+        kernel = np.full((depth, 5), -127, "int8")
+        kernel[:, 1] = rng.integers(-127, 128, depth)
+        expected = x.astype(np.int64) @ kernel.astype(np.int64)
+        path = tf_backend.int8_matmul_path(tf.constant(x), tf.constant(kernel))
+        assert path == ("tf-float32-exact" if depth <= 1024 else "tf-onednn-int8")
+        for limit in (tf_backend.FLOAT_PRODUCT_MACS, 0):  # float where it may, and never
+            monkeypatch.setattr(tf_backend, "FLOAT_PRODUCT_MACS", limit)
+            np.testing.assert_array_equal(tf_backend.int8_matmul(x, kernel).numpy(), expected)
+            dynamic = tf.function(
+                tf_backend.int8_matmul,
+                input_signature=[tf.TensorSpec([None, depth], tf.int8), tf.TensorSpec(None, tf.int8)],
+            )
+            kernel_spec = tf.constant(kernel)
+            np.testing.assert_array_equal(dynamic(x, kernel_spec).numpy(), expected)
+    monkeypatch.setattr(tf_backend, "FLOAT_PRODUCT_MACS", 0)
+    assert tf_backend.int8_matmul_path(tf.constant(x[:, :1024]), tf.constant(kernel[:1024])) == (
+        "tf-onednn-int8"
+    )
 
 
 def test_int8_classifier_predict_matches_its_training_mode_forward():

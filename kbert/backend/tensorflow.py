@@ -2,7 +2,6 @@
 logs, token packing on a CPU, the fused Adam update, the int8 product. TensorFlow is imported
 only when the backend is TensorFlow."""
 
-import math
 import weakref
 
 import keras
@@ -333,31 +332,37 @@ def _onednn_product(x2, kernel):
 # partial sum is an integer float32 holds: the float32 product of the int8
 # values, cast back, is the int32 product, bit for bit.
 EXACT_FLOAT_DEPTH = 1024
-# Below this many multiply-adds the float32 product is the faster one on a
-# CPU: oneDNN's quantized product has a fixed cost per call (about 130
-# microseconds more than a float32 product of 20 x 512 x 128 inside a graph,
-# on a 2-core x86 CPU) that a small product never repays; at 640 x 384 x
-# 1,536 (377M) the quantized product takes half the float32 time.
-FLOAT_PRODUCT_MACS = 1 << 25
+# Kernels of at most this many weights (MobileBERT's 128 x 512 and smaller)
+# take the float32 product at any batch size: oneDNN's quantized product
+# has a fixed cost per call (about 130 microseconds more than the float32
+# product of 20 x 512 x 128 inside a graph, on a 2-core x86 CPU) that such
+# thin products never repay (at 640 rows the two take the same time), while
+# on wider kernels (MiniLM's 384 x 1,536: half the float32 time at 640 rows)
+# it pays. Decided by the kernel's shape alone, so a graph holds one product
+# per layer whatever its batch.
+FLOAT_KERNEL_SIZE = 1 << 16
 
 
 def int8_matmul_path(inputs=None, kernel=None):
-    """Which product `int8_matmul` runs here (for these operands, where
-    their static shapes decide it; "tf-onednn-int8" stands for the run-time
-    choice between it and "tf-float32-exact" when the rows are unknown)."""
+    """Which product `int8_matmul` runs here (for this kernel, where its
+    shape decides it)."""
     import tensorflow as tf
 
     if in_xla_context() or tf.config.list_logical_devices("GPU"):
         return "tf-matmul-int32"  # the oneDNN kernel is a CPU kernel, outside XLA
     if not _onednn_int8_available():
         return "tf-matmul-int32"
-    if inputs is not None and kernel is not None:
-        depth, width = kernel.shape[-2], kernel.shape[-1]
-        rows = math.prod(inputs.shape[:-1]) if None not in inputs.shape[:-1] else None
-        if depth <= EXACT_FLOAT_DEPTH and rows is not None:
-            if rows * depth * width <= FLOAT_PRODUCT_MACS:
-                return "tf-float32-exact"
+    if kernel is not None and _float_exact(kernel):
+        return "tf-float32-exact"
     return "tf-onednn-int8"
+
+
+def _float_exact(kernel):
+    """Whether `int8_matmul` takes the float32 product for `kernel`."""
+    depth, width = kernel.shape[-2], kernel.shape[-1]
+    if depth is None or width is None:
+        return False
+    return depth <= EXACT_FLOAT_DEPTH and depth * width <= FLOAT_KERNEL_SIZE
 
 
 def _float_product(x2, kernel):
@@ -372,31 +377,20 @@ def _float_product(x2, kernel):
 def int8_matmul(inputs, kernel):
     """inputs (..., I) int8 @ kernel (I, O) int8 -> (..., O) int32, exact.
 
-    On a CPU outside XLA: oneDNN's quantized product, or for products of at
-    most `FLOAT_PRODUCT_MACS` multiply-adds over at most
-    `EXACT_FLOAT_DEPTH` terms the float32 product (exact there, and faster);
-    decided in Python for static rows, in the graph otherwise."""
+    On a CPU outside XLA: oneDNN's quantized product, or for kernels of at
+    most `FLOAT_KERNEL_SIZE` weights over at most `EXACT_FLOAT_DEPTH` terms
+    the float32 product (exact there, and faster)."""
     import tensorflow as tf
 
     inputs = tf.convert_to_tensor(inputs)
     kernel = tf.convert_to_tensor(kernel)
-    path = int8_matmul_path()
+    path = int8_matmul_path(inputs, kernel)
     if path == "tf-matmul-int32":
         return tf.linalg.matmul(inputs, kernel, output_type=tf.int32)
     lead = tf.shape(inputs)[:-1]
     x2 = tf.reshape(inputs, (-1, tf.shape(inputs)[-1]))
-    depth, width = kernel.shape[-2], kernel.shape[-1]
-    if depth is None or width is None or depth > EXACT_FLOAT_DEPTH:
-        out = _onednn_product(x2, kernel)
-    elif int8_matmul_path(inputs, kernel) == "tf-float32-exact":
+    if path == "tf-float32-exact":
         out = _float_product(x2, kernel)
-    elif None in inputs.shape[:-1]:
-        macs = tf.cast(tf.shape(x2)[0], tf.int64) * (depth * width)
-        out = tf.cond(
-            macs <= FLOAT_PRODUCT_MACS,
-            lambda: _float_product(x2, kernel),
-            lambda: _onednn_product(x2, kernel),
-        )
     else:
         out = _onednn_product(x2, kernel)
     return tf.reshape(out, tf.concat([lead, tf.shape(kernel)[-1:]], 0))

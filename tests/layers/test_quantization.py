@@ -140,11 +140,10 @@ def test_int8_inference_product_is_keras_int8_product(shape):
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's CPU products")
 def test_tensorflow_int8_products_are_exact_on_every_path(monkeypatch):
-    """TensorFlow picks the float32 product for small products over at most
-    1,024 terms (exact there) and oneDNN's int8 product otherwise, by static
-    shape or, for rows unknown until run time, in the graph: every choice
+    """TensorFlow takes the float32 product for small kernels over at most
+    1,024 terms (exact there) and oneDNN's int8 product otherwise: either
     gives the integers of the int64 product, at the extremes of Keras' int8
-    range (-127..127) too."""
+    range (-127..127) too, eagerly and in a graph of unknown rows."""
     import tensorflow as tf
 
     from kbert.backend import tensorflow as tf_backend
@@ -152,26 +151,20 @@ def test_tensorflow_int8_products_are_exact_on_every_path(monkeypatch):
     if tf_backend.int8_matmul_path() != "tf-onednn-int8":
         pytest.skip("this TensorFlow build has no oneDNN int8 product")
     rng = np.random.default_rng(0)
-    for depth in (1024, 1100):  # the float32 bound, and past it
+    for depth, float_size in ((1024, 1 << 16), (1024, 0), (1100, 1 << 16)):
+        monkeypatch.setattr(tf_backend, "FLOAT_KERNEL_SIZE", float_size)
         x = rng.choice(np.array([-127, 127], "int8"), (6, depth))
         kernel = np.full((depth, 5), -127, "int8")
         kernel[:, 1] = rng.integers(-127, 128, depth)
         expected = x.astype(np.int64) @ kernel.astype(np.int64)
         path = tf_backend.int8_matmul_path(tf.constant(x), tf.constant(kernel))
-        assert path == ("tf-float32-exact" if depth <= 1024 else "tf-onednn-int8")
-        for limit in (tf_backend.FLOAT_PRODUCT_MACS, 0):  # float where it may, and never
-            monkeypatch.setattr(tf_backend, "FLOAT_PRODUCT_MACS", limit)
-            np.testing.assert_array_equal(tf_backend.int8_matmul(x, kernel).numpy(), expected)
-            dynamic = tf.function(
-                tf_backend.int8_matmul,
-                input_signature=[tf.TensorSpec([None, depth], tf.int8), tf.TensorSpec(None, tf.int8)],
-            )
-            kernel_spec = tf.constant(kernel)
-            np.testing.assert_array_equal(dynamic(x, kernel_spec).numpy(), expected)
-    monkeypatch.setattr(tf_backend, "FLOAT_PRODUCT_MACS", 0)
-    assert tf_backend.int8_matmul_path(tf.constant(x[:, :1024]), tf.constant(kernel[:1024])) == (
-        "tf-onednn-int8"
-    )
+        assert path == ("tf-float32-exact" if depth <= 1024 and float_size else "tf-onednn-int8")
+        np.testing.assert_array_equal(tf_backend.int8_matmul(x, kernel).numpy(), expected)
+        graph = tf.function(
+            tf_backend.int8_matmul,
+            input_signature=[tf.TensorSpec([None, depth], tf.int8), tf.TensorSpec(None, tf.int8)],
+        )
+        np.testing.assert_array_equal(graph(x, tf.constant(kernel)).numpy(), expected)
 
 
 def test_int8_classifier_predict_matches_its_training_mode_forward():

@@ -21,6 +21,7 @@ Signatures by task (B batch, T tokens, C classes, H hidden):
 from kbert import backend as kbert_backend
 from kbert.backend.ops import portable_graph
 from kbert.export.process import in_tensorflow
+from kbert.tokenizers import BertTokenizer
 
 
 def task_kind(model):
@@ -57,6 +58,13 @@ def export_text_model(model, filepath, verbose=False):
         raise ValueError(
             f"{model.name} has no preprocessor to put in the graph; attach one: "
             "model.preprocessor = kbert.BertPreprocessor(tokenizer, sequence_length)"
+        )
+    if not isinstance(model.preprocessor.tokenizer, BertTokenizer):
+        raise ValueError(
+            f"{model.name}'s tokenizer is {type(model.preprocessor.tokenizer).__name__}: a "
+            "SavedModel taking raw strings holds WordPiece only (tensorflow-text has no "
+            "byte-level BPE). Export the model on token ids (kbert.export.export_model) with "
+            "the tokenizer as tokenizer.json (kbert.export.export_tokenizer_json)"
         )
     if kbert_backend.name() != "tensorflow":
         return in_tensorflow(model, filepath, "text", verbose=verbose)

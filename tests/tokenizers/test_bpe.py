@@ -151,3 +151,33 @@ def test_bad_tokenizer_files_are_refused(tmp_path):
     short = ByteLevelBPETokenizer(bpe_json())
     with pytest.raises(ValueError, match="cannot hold the 4 special tokens"):
         short(["a"], ["b"], sequence_length=3)
+
+
+def test_export_tokenizer_json_gives_the_preprocessors_ids(bpe_dir, tmp_path):
+    """`export_tokenizer_json` of a BPE preprocessor: the file's model with
+    kbert's packing, truncation and padding, for serving without kbert."""
+    from tokenizers import Tokenizer
+
+    from kbert.export import export_tokenizer_json
+
+    pre = kbert.BertPreprocessor(ByteLevelBPETokenizer.load(bpe_dir), 16)
+    served = Tokenizer.from_file(export_tokenizer_json(pre, str(tmp_path)))
+    expected = pre(TEXTS, PAIRS)
+    encodings = served.encode_batch(list(zip(TEXTS, PAIRS)))
+    np.testing.assert_array_equal([e.ids for e in encodings], expected["token_ids"])
+    np.testing.assert_array_equal([e.attention_mask for e in encodings], expected["padding_mask"])
+    np.testing.assert_array_equal([e.type_ids for e in encodings], expected["segment_ids"])
+    single = served.encode_batch(TEXTS)
+    np.testing.assert_array_equal([e.ids for e in single], pre(TEXTS)["token_ids"])
+
+
+def test_raw_string_savedmodel_refuses_a_bpe_tokenizer(bpe_dir):
+    from kbert.export.text import export_text_model
+
+    backbone = kbert.BertBackbone(
+        vocabulary_size=400, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=8
+    )
+    pre = kbert.BertPreprocessor(ByteLevelBPETokenizer.load(bpe_dir), 16)
+    model = kbert.BertClassifier(backbone, 2, preprocessor=pre)
+    with pytest.raises(ValueError, match="holds WordPiece only"):
+        export_text_model(model, "unused")

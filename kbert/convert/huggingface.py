@@ -32,6 +32,7 @@ import numpy as np
 from kbert.layers.activations import canonical_activation
 from kbert.presets.io import PresetError, preset_file, read_json, safetensors_shapes
 from kbert.presets.loader import PresetLoader, TaskHead, register_format
+from kbert.tokenizers.bpe import ByteLevelBPETokenizer
 from kbert.utils.files import save_safetensors
 
 logger = logging.getLogger("kbert")
@@ -778,8 +779,12 @@ def export_to_huggingface(model, directory, preprocessor=None):
 
 
 def write_tokenizer_files(preprocessor, directory, max_length):
-    """vocab.txt and tokenizer_config.json of `preprocessor`'s tokenizer."""
+    """vocab.txt and tokenizer_config.json of `preprocessor`'s tokenizer
+    (tokenizer.json with kbert's packing for a BPE tokenizer)."""
     tokenizer = preprocessor.tokenizer
+    if isinstance(tokenizer, ByteLevelBPETokenizer):
+        _write_bpe_tokenizer_files(tokenizer, directory, max_length)
+        return
     tokenizer.save(directory)
     # kbert's own settings (casing, rules, special tokens) read back by
     # kbert, plus the names transformers' BertTokenizer reads.
@@ -795,3 +800,27 @@ def write_tokenizer_files(preprocessor, directory, max_length):
             indent=2,
             sort_keys=True,
         )
+
+
+def _write_bpe_tokenizer_files(tokenizer, directory, max_length):
+    """tokenizer.json (the file's model, kbert's packing as its
+    post-processor) and a tokenizer_config.json transformers' fast
+    tokenizer reads."""
+    from kbert.export.tokenizer_json import tokenizer_json
+
+    with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_json(tokenizer), f, ensure_ascii=False)
+    special = tokenizer.special_tokens
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "bos_token": special["cls"],
+        "cls_token": special["cls"],
+        "eos_token": special["sep"],
+        "sep_token": special["sep"],
+        "pad_token": special["pad"],
+        "unk_token": special["unk"],
+        "mask_token": special["mask"],
+    }
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

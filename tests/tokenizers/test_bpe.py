@@ -181,3 +181,22 @@ def test_raw_string_savedmodel_refuses_a_bpe_tokenizer(bpe_dir):
     model = kbert.BertClassifier(backbone, 2, preprocessor=pre)
     with pytest.raises(ValueError, match="holds WordPiece only"):
         export_text_model(model, "unused")
+
+
+def test_hugging_face_export_keeps_the_bpe_tokenizer(bpe_dir, tmp_path):
+    """A BERT with a BPE preprocessor exported to a Hugging Face directory:
+    transformers' AutoTokenizer packs as kbert did, and kbert reloads the
+    same tokenizer from it."""
+    transformers = pytest.importorskip("transformers")
+    from kbert.convert.huggingface import export_to_huggingface
+
+    backbone = kbert.BertBackbone(
+        vocabulary_size=400, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=8
+    )
+    pre = kbert.BertPreprocessor(ByteLevelBPETokenizer.load(bpe_dir), 16)
+    export_to_huggingface(kbert.BertClassifier(backbone, 2, preprocessor=pre), str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    out = theirs(TEXTS, PAIRS, truncation="longest_first", max_length=16, padding="max_length")
+    np.testing.assert_array_equal(out["input_ids"], pre(TEXTS, PAIRS)["token_ids"])
+    again = kbert.BertPreprocessor.from_directory(str(tmp_path), 16)
+    np.testing.assert_array_equal(again(TEXTS, PAIRS)["token_ids"], pre(TEXTS, PAIRS)["token_ids"])

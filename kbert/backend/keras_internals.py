@@ -59,6 +59,17 @@ def loading_saved_model():
     return False
 
 
+def in_symbolic_scope():
+    """Whether Keras is inferring shapes and dtypes (`compute_output_spec`):
+    on torch it runs the model on meta tensors, or where an operation has
+    no meta kernel on real tensors of ones, inside this scope
+    (`keras.src.backend.common.symbolic_scope.in_symbolic_scope`, 3.10-3.15;
+    Keras exports the scope class but not the query)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope as query
+
+    return query()
+
+
 def set_trainable(layer, value):
     """`layer.trainable = value`, carried to its sublayers and variables
     even when `layer.trainable` is `value` already.

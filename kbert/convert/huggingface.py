@@ -806,10 +806,8 @@ def _write_bpe_tokenizer_files(tokenizer, directory, max_length):
     """tokenizer.json (the file's model, kbert's packing as its
     post-processor) and a tokenizer_config.json transformers' fast
     tokenizer reads."""
-    from kbert.export.tokenizer_json import tokenizer_json
-
     with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_json(tokenizer), f, ensure_ascii=False)
+        json.dump(tokenizer.serving_json(), f, ensure_ascii=False)
     special = tokenizer.special_tokens
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -12,7 +12,7 @@ with it in any language that has a `tokenizers` binding.
 import json
 import os
 
-from kbert.tokenizers.bpe import ByteLevelBPETokenizer
+from kbert.tokenizers.bpe import ByteLevelBPETokenizer, with_length
 
 
 def tokenizer_json(preprocessor_or_tokenizer, sequence_length=None):
@@ -28,7 +28,7 @@ def tokenizer_json(preprocessor_or_tokenizer, sequence_length=None):
     if sequence_length is None:
         sequence_length = getattr(preprocessor_or_tokenizer, "sequence_length", None)
     if isinstance(tokenizer, ByteLevelBPETokenizer):
-        return _bpe_tokenizer_json(tokenizer, sequence_length)
+        return tokenizer.serving_json(sequence_length)
     for attribute in ("vocabulary", "special_tokens", "lowercase", "max_input_chars_per_word"):
         if not hasattr(tokenizer, attribute):
             raise TypeError(
@@ -93,55 +93,7 @@ def tokenizer_json(preprocessor_or_tokenizer, sequence_length=None):
             "vocab": vocab,
         },
     }
-    return _with_length(config, sequence_length, vocab[pad], pad)
-
-
-def _bpe_tokenizer_json(tokenizer, sequence_length):
-    """A BPE tokenizer's own file with kbert's packing as its post-processor
-    (`<s> A </s>`, `<s> A </s></s> B </s>`, one token type) and the
-    preprocessor's truncation and padding."""
-    config = json.loads(tokenizer.tokenizer_json)
-    special = tokenizer.special_tokens
-    cls, sep = special["cls"], special["sep"]
-
-    def token(name):
-        return {"SpecialToken": {"id": name, "type_id": 0}}
-
-    def sequence(name):
-        return {"Sequence": {"id": name, "type_id": 0}}
-
-    config["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [token(cls), sequence("A"), token(sep)],
-        "pair": [token(cls), sequence("A"), token(sep), token(sep), sequence("B"), token(sep)],
-        "special_tokens": {
-            name: {"id": name, "ids": [tokenizer.token_to_id(name)], "tokens": [name]}
-            for name in (cls, sep)
-        },
-    }
-    config["truncation"] = config["padding"] = None
-    return _with_length(config, sequence_length, tokenizer.pad_id, special["pad"])
-
-
-def _with_length(config, sequence_length, pad_id, pad):
-    """`config` truncating (longest first) and padding to `sequence_length`
-    (None: neither)."""
-    if sequence_length is not None:
-        config["truncation"] = {
-            "direction": "Right",
-            "max_length": int(sequence_length),
-            "strategy": "LongestFirst",
-            "stride": 0,
-        }
-        config["padding"] = {
-            "strategy": {"Fixed": int(sequence_length)},
-            "direction": "Right",
-            "pad_to_multiple_of": None,
-            "pad_id": pad_id,
-            "pad_type_id": 0,
-            "pad_token": pad,
-        }
-    return config
+    return with_length(config, sequence_length, vocab[pad], pad)
 
 
 def export_tokenizer_json(preprocessor_or_tokenizer, path, sequence_length=None):

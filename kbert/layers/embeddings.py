@@ -7,6 +7,7 @@ embeddings; E = H otherwise), V vocabulary.
 import keras
 from keras import ops
 
+from kbert.backend import keras_internals
 from kbert.backend.ops import fused_embedding_sum, reverse_table_padding
 from kbert.layers.config import ArgumentsConfig
 from kbert.layers.dense import Dense
@@ -151,6 +152,12 @@ class BertEmbeddings(ArgumentsConfig, keras.layers.Layer):
         self.built = True
 
     def call(self, token_ids, segment_ids, training=None, position_ids=None):
+        if keras_internals.in_symbolic_scope():
+            # Keras infers shapes on torch by running the model on tensors of
+            # ones where a meta kernel is missing: an id of 1 is outside a
+            # table of one token type (RoBERTa, Longformer), and the values
+            # do not matter there
+            segment_ids = ops.zeros_like(segment_ids)
         if position_ids is not None:
             return self._embed_at(token_ids, segment_ids, position_ids, training)
         length = ops.shape(token_ids)[1]

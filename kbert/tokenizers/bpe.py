@@ -62,6 +62,27 @@ def load_if_present(directory):
     return None
 
 
+def with_length(config, sequence_length, pad_id, pad):
+    """A tokenizer.json dict truncating (longest first) and padding to
+    `sequence_length` (None: neither)."""
+    if sequence_length is not None:
+        config["truncation"] = {
+            "direction": "Right",
+            "max_length": int(sequence_length),
+            "strategy": "LongestFirst",
+            "stride": 0,
+        }
+        config["padding"] = {
+            "strategy": {"Fixed": int(sequence_length)},
+            "direction": "Right",
+            "pad_to_multiple_of": None,
+            "pad_id": pad_id,
+            "pad_type_id": 0,
+            "pad_token": pad,
+        }
+    return config
+
+
 def _token_name(value):
     """A tokenizer_config.json special token: a string or transformers'
     AddedToken dict ({"content": ...})."""
@@ -205,6 +226,32 @@ class ByteLevelBPETokenizer:
         with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         return [TOKENIZER_FILE, CONFIG_FILE]
+
+    def serving_json(self, sequence_length=None):
+        """The file as a dict with kbert's packing as its post-processor
+        (`<s> A </s>`, `<s> A </s></s> B </s>`, one token type) and, with
+        `sequence_length`, longest-first truncation and padding to it: the
+        ids `__call__` gives, from the `tokenizers` library alone."""
+        config = json.loads(self.tokenizer_json)
+        cls, sep = self.special_tokens["cls"], self.special_tokens["sep"]
+
+        def token(name):
+            return {"SpecialToken": {"id": name, "type_id": 0}}
+
+        def sequence(name):
+            return {"Sequence": {"id": name, "type_id": 0}}
+
+        config["post_processor"] = {
+            "type": "TemplateProcessing",
+            "single": [token(cls), sequence("A"), token(sep)],
+            "pair": [token(cls), sequence("A"), token(sep), token(sep), sequence("B"), token(sep)],
+            "special_tokens": {
+                name: {"id": name, "ids": [self._token_to_id[name]], "tokens": [name]}
+                for name in (cls, sep)
+            },
+        }
+        config["truncation"] = config["padding"] = None
+        return with_length(config, sequence_length, self.pad_id, self.special_tokens["pad"])
 
     # --- text -> ids --------------------------------------------------------
 

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 
 from kbert import backend as kbert_backend
+from kbert.backend import keras_internals
 
 
 def cuda_graph_capturing(x):
@@ -39,6 +40,8 @@ def is_concrete(x):
         return (
             isinstance(x, torch.Tensor)
             and not x.is_meta  # shapes only: Keras' symbolic build runs the model on these
+            # or on tensors of ones where an operation has no meta kernel
+            and not keras_internals.in_symbolic_scope()
             and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing()  # a trace would freeze the host read
             and not cuda_graph_capturing(x)

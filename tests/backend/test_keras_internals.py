@@ -66,6 +66,9 @@ def test_private_methods_have_the_expected_signatures():
     assert parameters(optimizer._get_variable_index) == ["self", "variable"]
     assert parameters(optimizer._apply_weight_decay) == ["self", "variables"]
     assert parameters(optimizer._use_weight_decay) == ["self", "variable"]
+    assert not keras_internals.in_symbolic_scope()
+    with keras.SymbolicScope():
+        assert keras_internals.in_symbolic_scope()
     named = optimizer(weight_decay=0.1)
     named.exclude_from_weight_decay(var_names=["bias"])
     assert named._exclude_from_weight_decay_pattern is not None

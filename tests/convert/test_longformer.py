@@ -179,6 +179,10 @@ def test_longformer_directory_with_its_tokenizer_reads_raw_text(tmp_path):
     out = {k: keras.ops.convert_to_numpy(v) for k, v in model.backbone(x).items()}
     np.testing.assert_allclose(_masked(out["sequence_output"], x), _masked(sequence, x), atol=1e-5)
     np.testing.assert_allclose(out["pooled_output"], pooled, atol=1e-5)
+    # one token type: Keras' symbolic build on torch (tensors of ones where a
+    # meta kernel is missing) must not read its segment ids as real input
+    model.compile(learning_rate=1e-3)
+    model.fit(TEXTS, np.array([0, 1, 0, 1, 0]), batch_size=5, epochs=1, verbose=0)
     model.save_to_preset(tmp_path / "preset")
     again = kbert.BertClassifier.from_preset(tmp_path / "preset")
     np.testing.assert_array_equal(again.preprocessor(TEXTS, PAIRS)["token_ids"], x["token_ids"])

@@ -58,7 +58,8 @@ def parse_args(argv=None):
         default="bert",
         choices=("bert", "transformers"),
         help="bert: compile's AdamW (the original BERT's schedule and weight-decay exclusions); "
-        "transformers: its Trainer's (epsilon 1e-8, decay on every weight, the line from the peak)",
+        "transformers: the reference loop of benchmarks/seq2seq.py (torch AdamW: epsilon 1e-8, "
+        "decay on every weight; get_linear_schedule_with_warmup: the line from the peak)",
     )
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--max-train-examples", type=int, default=None)

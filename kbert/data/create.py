@@ -65,6 +65,11 @@ def create_pretraining_data(
     Returns:
         dict: the manifest (files, instance counts, corpus report, settings).
     """
+    if not isinstance(tokenizer, BertTokenizer):
+        raise TypeError(
+            f"pre-training data is made with a WordPiece BertTokenizer, got "
+            f"{type(tokenizer).__name__}"
+        )
     import tensorflow as tf
 
     from kbert.data.tfrecords import FEATURE_NAMES, _example  # imports TensorFlow

@@ -33,6 +33,8 @@ import dataclasses
 
 import numpy as np
 
+from kbert.tokenizers import BertTokenizer
+
 SENTENCE_TASKS = ("nsp", "sop")
 
 
@@ -83,6 +85,12 @@ class InstanceMaker:
     """
 
     def __init__(self, tokenizer, config):
+        if not isinstance(tokenizer, BertTokenizer):
+            raise TypeError(
+                f"pre-training data is made with a WordPiece BertTokenizer, got "
+                f"{type(tokenizer).__name__}: whole-word masking reads its ## pieces and "
+                "the sentence task its two token types"
+            )
         self.config = config
         self.cls_id, self.sep_id, self.mask_id = (
             tokenizer.cls_id,

@@ -104,7 +104,7 @@ class BertTokenClassifier(Task):
             )
         # each distinct word tokenized once, in one batch
         distinct = list(dict.fromkeys(w for words in sentences for w in words))
-        word_pieces = dict(zip(distinct, tokenizer.tokenize(distinct)))
+        word_pieces = dict(zip(distinct, tokenizer.tokenize_split_words(distinct)))
         for row, words in enumerate(sentences):
             ids, positions = [tokenizer.cls_id], []
             for word in words:

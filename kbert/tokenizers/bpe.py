@@ -20,6 +20,7 @@ packing is kbert's. Loading parses JSON only; nothing in the file runs.
 
 import json
 import os
+import re
 
 import numpy as np
 
@@ -81,6 +82,20 @@ def with_length(config, sequence_length, pad_id, pad):
             "pad_token": pad,
         }
     return config
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _texts(inputs):
+    """A list of str for the Rust tokenizer: lone surrogates (which it
+    cannot hold) become U+FFFD, one character for one, so offsets stay."""
+    out = []
+    for text in inputs:
+        if not isinstance(text, str):
+            raise ValueError(f"texts must be strings, got {type(text).__name__}: {text!r:.60}")
+        out.append(_SURROGATE.sub("\ufffd", text) if not text.isascii() else text)
+    return out
 
 
 def _token_name(value):
@@ -234,6 +249,15 @@ class ByteLevelBPETokenizer:
         ids `__call__` gives, from the `tokenizers` library alone."""
         config = json.loads(self.tokenizer_json)
         cls, sep = self.special_tokens["cls"], self.special_tokens["sep"]
+        processor = config.get("post_processor") or {}
+        if (
+            processor.get("type") == "RobertaProcessing"
+            and processor.get("cls", [None])[0] == cls
+            and processor.get("sep", [None])[0] == sep
+        ):
+            # kbert's packing already, and it trims the spaces off offsets
+            config["truncation"] = config["padding"] = None
+            return with_length(config, sequence_length, self.pad_id, self.special_tokens["pad"])
 
         def token(name):
             return {"SpecialToken": {"id": name, "type_id": 0}}
@@ -259,8 +283,14 @@ class ByteLevelBPETokenizer:
         """Text -> ids (no special tokens); a list of texts -> a list of id lists."""
         if isinstance(inputs, str):
             return self.tokenize([inputs])[0]
-        encodings = self._engine.encode_batch(list(inputs), add_special_tokens=False)
+        encodings = self._engine.encode_batch(_texts(inputs), add_special_tokens=False)
         return [list(e.ids) for e in encodings]
+
+    def tokenize_split_words(self, words):
+        """Ids of each word of a pre-split sentence (word-aligned tagging):
+        each word as it reads after a space (`Ġword`), as transformers'
+        RoBERTa tokenizers give words with `add_prefix_space=True`."""
+        return self.tokenize([" " + w for w in _texts(words)])
 
     def tokenize_with_offsets(self, inputs):
         """(ids, starts, ends): each token's character span in the text; a
@@ -268,7 +298,7 @@ class ByteLevelBPETokenizer:
         if isinstance(inputs, str):
             return self.tokenize_with_offsets([inputs])[0]
         out = []
-        for e in self._engine.encode_batch(list(inputs), add_special_tokens=False):
+        for e in self._engine.encode_batch(_texts(inputs), add_special_tokens=False):
             spans = np.asarray(e.offsets, "int64").reshape(-1, 2)
             out.append((list(e.ids), spans[:, 0].copy(), spans[:, 1].copy()))
         return out

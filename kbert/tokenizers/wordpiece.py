@@ -332,6 +332,10 @@ class BertTokenizer:
         cache = self._word_ids([w for row in words for w in row])
         return [[i for w in row for i in cache[w]] for row in words]
 
+    def tokenize_split_words(self, words):
+        """Ids of each word of a pre-split sentence (word-aligned tagging)."""
+        return self.tokenize(list(words))
+
     def tokenize_words(self, text):
         """[(word, [ids])] for each normalised word of `text` (word-aligned tasks)."""
         words = self.split_words(text)

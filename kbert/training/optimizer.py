@@ -121,8 +121,26 @@ class ReplicaExactClipping(keras_internals.OptimizerShims):
         return global_clip_scale(grads, self.global_clipnorm)
 
 
+class NoDecayNames:
+    """`no_decay`: names of the variables kept out of the weight decay (any
+    variable whose name contains one), given to `exclude_from_weight_decay`
+    at construction and kept in the config, so an optimizer reloaded from a
+    `.keras` file excludes what it excluded (Keras saves no exclusions). A
+    config without it (saved before it existed) gets `NO_DECAY`, what
+    `compile` pinned then."""
+
+    def __init__(self, *args, no_decay=NO_DECAY, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.no_decay = tuple(no_decay or ())
+        if self.no_decay:
+            self.exclude_from_weight_decay(var_names=list(self.no_decay))
+
+    def get_config(self):
+        return {**super().get_config(), "no_decay": list(self.no_decay)}
+
+
 @keras.saving.register_keras_serializable(package="kbert")
-class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
+class AdamW(NoDecayNames, ReplicaExactClipping, keras_internals.adamw_base()):
     """keras.optimizers.AdamW with replica-exact global-norm clipping; on
     torch, an update with no host-device synchronisation (step count and
     bias corrections on the device), which a CUDA graph can capture."""
@@ -157,7 +175,7 @@ class AdamW(ReplicaExactClipping, keras_internals.adamw_base()):
 
 
 @keras.saving.register_keras_serializable(package="kbert")
-class Lamb(ReplicaExactClipping, keras.optimizers.Lamb):
+class Lamb(NoDecayNames, ReplicaExactClipping, keras.optimizers.Lamb):
     """keras.optimizers.Lamb with replica-exact global-norm clipping."""
 
 
@@ -174,9 +192,10 @@ def create_optimizer(
 ):
     """AdamW (or LAMB) with the BERT schedule and weight-decay exclusions.
 
-    The defaults are the original BERT's recipe. transformers' (`Trainer`,
-    `AdamW` + `get_linear_schedule_with_warmup`) is `epsilon=1e-8,
-    no_decay=(), from_peak=True`.
+    The defaults are the original BERT's recipe. A plain `torch.optim.AdamW`
+    with weight decay and `get_linear_schedule_with_warmup` (the loop many
+    transformers examples write, and `benchmarks/seq2seq.py`'s reference)
+    is `epsilon=1e-8, no_decay=(), from_peak=True`.
 
     Args:
         learning_rate: float. peak learning rate.
@@ -194,15 +213,18 @@ def create_optimizer(
             along the original BERT's line (`WarmupLinearDecay`).
     """
     schedule = WarmupLinearDecay(learning_rate, num_train_steps, num_warmup_steps, from_peak)
-    common = dict(learning_rate=schedule, weight_decay=weight_decay, global_clipnorm=clipnorm)
+    common = dict(
+        learning_rate=schedule,
+        weight_decay=weight_decay,
+        global_clipnorm=clipnorm,
+        no_decay=tuple(no_decay or ()),
+    )
     if kind == "adamw":
         optimizer = AdamW(beta_1=0.9, beta_2=0.999, epsilon=epsilon, **common)
     elif kind == "lamb":
         optimizer = Lamb(beta_1=0.9, beta_2=0.999, epsilon=epsilon, **common)
     else:
         raise ValueError(f"unknown optimizer {kind!r}; use 'adamw' or 'lamb'")
-    if no_decay:
-        optimizer.exclude_from_weight_decay(var_names=list(no_decay))
     return optimizer
 
 

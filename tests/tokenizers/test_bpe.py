@@ -200,3 +200,54 @@ def test_hugging_face_export_keeps_the_bpe_tokenizer(bpe_dir, tmp_path):
     np.testing.assert_array_equal(out["input_ids"], pre(TEXTS, PAIRS)["token_ids"])
     again = kbert.BertPreprocessor.from_directory(str(tmp_path), 16)
     np.testing.assert_array_equal(again(TEXTS, PAIRS)["token_ids"], pre(TEXTS, PAIRS)["token_ids"])
+
+
+def test_word_tagging_reads_words_as_roberta_does(bpe_dir):
+    """Pre-split words for tagging: each word as it reads after a space, the
+    ids RoBERTa's tokenizer gives with `add_prefix_space=True` on
+    pre-split words (the tokenizers library with that setting)."""
+    from tokenizers import Tokenizer
+
+    ours = ByteLevelBPETokenizer.load(bpe_dir)
+    words = ["The", "world", "is", "full", "naïve", "🙂"]
+    content = json.loads(ours.tokenizer_json)
+    content["pre_tokenizer"]["add_prefix_space"] = True
+    theirs = Tokenizer.from_str(json.dumps(content))
+    expected = theirs.encode(words, is_pretokenized=True, add_special_tokens=False).ids
+    pieces = ours.tokenize_split_words(words)
+    assert [i for word in pieces for i in word] == expected
+    assert pieces[1] == ours.tokenize(" world") != ours.tokenize("world")
+
+
+def test_exported_file_keeps_robertas_offsets(bpe_dir, reference):
+    """`serving_json` keeps RoBERTa's post-processor where the file has it
+    (the same packing, and offsets trimmed of their leading space)."""
+    from tokenizers import Tokenizer
+
+    ours = ByteLevelBPETokenizer.load(bpe_dir)
+    served = Tokenizer.from_str(json.dumps(ours.serving_json()))
+    assert served.to_str() and ours.serving_json()["post_processor"]["type"] == "RobertaProcessing"
+    again = ByteLevelBPETokenizer(json.dumps(ours.serving_json()))
+    for text in TEXTS:
+        a, b = again.tokenize_with_offsets(text), ours.tokenize_with_offsets(text)
+        assert a[0] == b[0] and a[1].tolist() == b[1].tolist() and a[2].tolist() == b[2].tolist()
+
+
+def test_lone_surrogates_and_non_strings(bpe_dir):
+    ours = ByteLevelBPETokenizer.load(bpe_dir)
+    assert ours.tokenize("a\ud800b") == ours.tokenize("a\ufffdb")
+    ids, starts, ends = ours.tokenize_with_offsets("a\ud800b")
+    assert ends.max() == 3
+    with pytest.raises(ValueError, match="texts must be strings"):
+        ours.tokenize([b"bytes"])
+
+
+def test_pretraining_data_refuses_a_bpe_tokenizer(bpe_dir, tmp_path):
+    from kbert.data.create import create_pretraining_data
+    from kbert.data.pretraining import InstanceMaker, MaskingConfig
+
+    ours = ByteLevelBPETokenizer.load(bpe_dir)
+    with pytest.raises(TypeError, match="WordPiece BertTokenizer"):
+        InstanceMaker(ours, MaskingConfig())
+    with pytest.raises(TypeError, match="WordPiece BertTokenizer"):
+        create_pretraining_data([], ours, str(tmp_path))

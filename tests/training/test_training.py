@@ -767,3 +767,24 @@ def test_cuda_graph_auto_skips_steps_with_user_code():
     assert not user_code_in_step(pretrainer)
     with pytest.raises(ValueError, match="cuda_graph"):
         pretrainer.compile(cuda_graph="yes")
+
+
+def test_weight_decay_exclusions_survive_a_keras_file(tmp_path):
+    """kbert's optimizers keep their exclusions in their config: a model
+    reloaded from a `.keras` file goes on excluding what it excluded (Keras
+    saves no exclusions), for the default and for `no_decay=()`."""
+    x = {k: v for k, v in harness.backbone_inputs().items()}
+    for no_decay, expected in ((None, False), ((), True)):
+        classifier = kbert.BertClassifier(kbert.BertBackbone(**TINY), 2)
+        kwargs = {} if no_decay is None else {"no_decay": no_decay}
+        classifier.compile(optimizer=create_optimizer(1e-4, 100, 10, **kwargs))
+        classifier.fit(x, np.zeros(len(x["token_ids"]), "int32"), epochs=1, verbose=0)
+        classifier.save(tmp_path / "model.keras")
+        restored = keras.saving.load_model(tmp_path / "model.keras")
+        biases = [v for v in restored.trainable_variables if v.name == "bias"]
+        assert biases and all(
+            restored.optimizer._use_weight_decay(v) == expected for v in biases
+        ), no_decay
+        assert restored.optimizer.no_decay == (
+            kbert.training.optimizer.NO_DECAY if no_decay is None else ()
+        )

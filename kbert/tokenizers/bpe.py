@@ -24,7 +24,7 @@ import re
 
 import numpy as np
 
-from kbert.tokenizers.wordpiece import truncate_pair
+from kbert.tokenizers.wordpiece import BertTokenizer, truncate_pair
 from kbert.utils.files import load_json, preset_file
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -303,15 +303,11 @@ class ByteLevelBPETokenizer:
             out.append((list(e.ids), spans[:, 0].copy(), spans[:, 1].copy()))
         return out
 
-    def token_to_id(self, token):
-        if token not in self._token_to_id:
-            raise KeyError(f"{token!r} is not in the vocabulary")
-        return self._token_to_id[token]
-
-    def id_to_token(self, token_id):
-        if not 0 <= int(token_id) < len(self.vocabulary):
-            raise ValueError(f"id {token_id} is outside the vocabulary [0, {len(self.vocabulary)})")
-        return self.vocabulary[int(token_id)]
+    # the vocabulary lookups and text -> packed inputs are WordPiece's, over
+    # this class's `_token_to_id`, `vocabulary`, `tokenize` and `pack`
+    token_to_id = BertTokenizer.token_to_id
+    id_to_token = BertTokenizer.id_to_token
+    __call__ = BertTokenizer.__call__
 
     def detokenize(self, ids):
         """Ids -> text (the file's byte-level decoder), special tokens dropped."""
@@ -351,15 +347,6 @@ class ByteLevelBPETokenizer:
             "segment_ids": np.zeros_like(token_ids),
             "padding_mask": padding_mask,
         }
-
-    def __call__(self, texts, pairs=None, sequence_length=128):
-        """Raw text (or text pairs) -> packed model inputs; see `pack`."""
-        if isinstance(texts, str):
-            texts = [texts]
-            pairs = [pairs] if isinstance(pairs, str) else pairs
-        first = self.tokenize(list(texts))
-        second = self.tokenize(list(pairs)) if pairs is not None else None
-        return self.pack(first, second, sequence_length)
 
     # --- tf.data ------------------------------------------------------------
 

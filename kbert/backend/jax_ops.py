@@ -12,6 +12,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from kbert import backend
+
 
 def on_gpu():
     """Whether JAX runs on a GPU under no distribution or data parallelism.
@@ -294,3 +296,56 @@ def layer_norm(x, gamma, beta, epsilon):
 
     apply.defvjp(forward, backward)
     return apply(x, gamma, beta)
+
+
+# bfloat16 holds every integer in [-256, 256] exactly, so int8 values cast to
+# it lose nothing, and a float32 accumulator holds every integer up to 2**24:
+# a product over at most 1,024 terms of |x|, |k| <= 128 (2**24 at most) is
+# exact. Wider products are split into such pieces, summed in int32.
+_EXACT_DEPTH = 1024
+
+
+def int8_matmul_path():
+    """Names the path: "jax-bf16-exact" on a CPU with bfloat16 dot instructions, else
+    "keras-matmul-int32" (XLA's int8 product with int32 accumulation, which
+    runs on a GPU's integer tensor cores)."""
+    if jax.default_backend() == "cpu" and backend.cpu_has_bf16_dot():
+        return "jax-bf16-exact"
+    return "keras-matmul-int32"
+
+
+def int8_matmul(inputs, kernel, dtype="int32"):
+    """inputs (..., I) int8, kernel (I, O) int8 -> (..., O): the exact int32
+    product (`dtype="int32"`), or that product rounded to float32
+    (`dtype="float32"`; the bfloat16 path then skips an int32 pass)."""
+    if dtype not in ("int32", "float32"):
+        raise ValueError(f"int8_matmul returns int32 or float32, not {dtype}")
+    if int8_matmul_path() == "jax-bf16-exact":
+        return bf16_exact_product(inputs, kernel, dtype)
+    product = ops.matmul(inputs, kernel)  # Keras' JAX matmul accumulates int8 in int32
+    return product if dtype == "int32" else product.astype(dtype)
+
+
+def bf16_exact_product(inputs, kernel, dtype="int32"):
+    """`int8_matmul` through bfloat16 x bfloat16 -> float32 products over
+    pieces of at most `_EXACT_DEPTH` terms (each exact in float32).
+
+    Two exact float32 pieces sum to the correctly rounded float32 of the
+    exact product, the value `dtype="float32"` asks for; more pieces, or
+    `dtype="int32"`, are summed in int32."""
+    x = jnp.asarray(inputs).astype(jnp.bfloat16)
+    k = jnp.asarray(kernel).astype(jnp.bfloat16)
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    parts = [
+        jax.lax.dot_general(
+            x[..., start : start + _EXACT_DEPTH],
+            k[start : start + _EXACT_DEPTH],
+            dims,
+            preferred_element_type=jnp.float32,
+        )
+        for start in range(0, k.shape[0], _EXACT_DEPTH)
+    ]
+    if dtype == "float32" and len(parts) <= 2:
+        return functools.reduce(jnp.add, parts)
+    product = functools.reduce(jnp.add, [p.astype(jnp.int32) for p in parts])
+    return product if dtype == "int32" else product.astype(dtype)

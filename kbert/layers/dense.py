@@ -9,7 +9,7 @@ from keras import ops
 from kbert.backend.ops import (
     fused_dense,
     int8_dequantize,
-    int8_matmul,
+    int8_product,
     int8_quantize,
     packed_weight_cache,
 )
@@ -25,7 +25,7 @@ class Dense(keras.layers.Dense):
     quantized call are Keras' own (per-output-channel abs-max int8 kernel,
     per-token int8 inputs; float8 with delayed scaling), except that int8
     inference (not training, no LoRA) computes the int8 product with
-    `kbert.backend.ops.int8_matmul`, the backend's integer kernel, where
+    `kbert.backend.ops.int8_product`, the backend's integer kernel, where
     Keras' `ops.matmul` runs a generic int32 product: the same integers,
     the same scaling.
 
@@ -74,7 +74,7 @@ class Dense(keras.layers.Dense):
         quantizer = self.inputs_quantizer
         x, inputs_scale = int8_quantize(inputs, quantizer.value_range, quantizer.epsilon)
         x = int8_dequantize(
-            int8_matmul(x, self.kernel),
+            int8_product(x, self.kernel, self.compute_dtype),
             self.kernel_scale,
             inputs_scale,
             self.bias,

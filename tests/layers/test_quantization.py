@@ -135,6 +135,11 @@ def test_int8_inference_product_is_keras_int8_product(shape):
         "tensorflow": "tf-float32-exact",  # a small product over few terms
         "jax": "keras-matmul-int32",
     }[keras.backend.backend()]
+    if keras.backend.backend() == "jax":
+        from kbert.backend import jax_ops
+
+        if kbert.backend.cpu_has_bf16_dot() and jax_ops.jax.default_backend() == "cpu":
+            expected_path = "jax-bf16-exact"
     assert backend_ops.int8_matmul_path(exact, layer.kernel) == expected_path
 
 
@@ -165,6 +170,63 @@ def test_tensorflow_int8_products_are_exact_on_every_path(monkeypatch):
             input_signature=[tf.TensorSpec([None, depth], tf.int8), tf.TensorSpec(None, tf.int8)],
         )
         np.testing.assert_array_equal(graph(x, tf.constant(kernel)).numpy(), expected)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's bfloat16 product")
+@pytest.mark.parametrize("depth", [24, 1024, 1536, 3072])
+def test_jax_bf16_int8_product_is_exact_past_float32_range(depth):
+    """JAX's CPU path multiplies int8 values as bfloat16 with float32
+    accumulation, over pieces of at most 1,024 terms: at the extremes of
+    Keras' range (sums past 2**24 from 1,040 terms on) the int32 result is
+    the int64 product, and the float32 result is that product's float32
+    rounding (what Keras' dequantizer casts it to), bit for bit."""
+    from kbert.backend import jax_ops
+
+    rng = np.random.default_rng(depth)
+    x = rng.choice(np.array([-127, 127], "int8"), (2, 6, depth))
+    x[0, 0] = 127  # rows whose every term is +127 * 127: sums of 16,129 * depth
+    kernel = np.full((depth, 5), 127, "int8")
+    kernel[:, 1] = rng.integers(-127, 128, depth)
+    kernel[:, 2] = -127
+    expected = x.astype(np.int64) @ kernel.astype(np.int64)
+    product = jax_ops.bf16_exact_product(x, kernel, "int32")
+    assert str(product.dtype) == "int32"
+    np.testing.assert_array_equal(np.asarray(product), expected)
+    rounded = jax_ops.bf16_exact_product(x, kernel, "float32")
+    assert str(rounded.dtype) == "float32"
+    np.testing.assert_array_equal(np.asarray(rounded), expected.astype(np.float32))
+    assert np.abs(expected).max() > 2**24 or depth <= 1024
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's XLA product")
+def test_tensorflow_int8_product_inside_xla_is_exact():
+    """Inside XLA (`jit_compile=True`) on a CPU with bfloat16 dot
+    instructions the int8 product runs as bfloat16 XLA dots with float32
+    accumulation over pieces of at most 1,024 terms: the int64 product's
+    integers at the extremes of Keras' range, past 2**24 too."""
+    import tensorflow as tf
+
+    from kbert.backend import tensorflow as tf_backend
+
+    if not kbert.backend.cpu_has_bf16_dot() or tf.config.list_logical_devices("GPU"):
+        pytest.skip("no bfloat16 dot instructions on this CPU")
+    rng = np.random.default_rng(0)
+    for depth in (24, 1536):
+        x = rng.choice(np.array([-127, 127], "int8"), (2, 3, depth))
+        x[0, 0] = 127
+        kernel = np.full((depth, 5), 127, "int8")
+        kernel[:, 1] = rng.integers(-127, 128, depth)
+        expected = x.astype(np.int64) @ kernel.astype(np.int64)
+        paths = []
+
+        def product(a, k):
+            paths.append(tf_backend.int8_matmul_path(a, k))
+            return tf_backend.int8_matmul(a, k)
+
+        out = tf.function(product, jit_compile=True)(tf.constant(x), tf.constant(kernel))
+        assert paths == ["tf-xla-bf16-exact"]
+        assert out.dtype == tf.int32
+        np.testing.assert_array_equal(out.numpy(), expected)
 
 
 def test_int8_classifier_predict_matches_its_training_mode_forward():

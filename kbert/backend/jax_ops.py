@@ -5,6 +5,7 @@ Why each exists (the generic form and what it cost) is documented in
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -303,13 +304,23 @@ def layer_norm(x, gamma, beta, epsilon):
 # a product over at most 1,024 terms of |x|, |k| <= 128 (2**24 at most) is
 # exact. Wider products are split into such pieces, summed in int32.
 _EXACT_DEPTH = 1024
+# The bfloat16 product converts the kernel on every call, a pass over it
+# that a product of few rows does not repay: on a 2-core AVX512-BF16 CPU
+# XLA's int8 dot was faster up to about 128 rows (768 x 3,072: 0.30 against
+# 0.53 ms at 32 rows, 3.4 against 2.5 ms at 512), so batch-1 sentences keep it.
+_BF16_MIN_ROWS = 256
 
 
-def int8_matmul_path():
-    """Names the path: "jax-bf16-exact" on a CPU with bfloat16 dot instructions, else
-    "keras-matmul-int32" (XLA's int8 product with int32 accumulation, which
-    runs on a GPU's integer tensor cores)."""
-    if jax.default_backend() == "cpu" and backend.cpu_has_bf16_dot():
+def int8_matmul_path(rows=None):
+    """Names the path for a product of `rows` rows (None: many):
+    "jax-bf16-exact" on a CPU with bfloat16 dot instructions from
+    `_BF16_MIN_ROWS` rows on, else "keras-matmul-int32" (XLA's int8 product
+    with int32 accumulation, which runs on a GPU's integer tensor cores)."""
+    if (
+        jax.default_backend() == "cpu"
+        and backend.cpu_has_bf16_dot()
+        and (rows is None or rows >= _BF16_MIN_ROWS)
+    ):
         return "jax-bf16-exact"
     return "keras-matmul-int32"
 
@@ -320,7 +331,7 @@ def int8_matmul(inputs, kernel, dtype="int32"):
     (`dtype="float32"`; the bfloat16 path then skips an int32 pass)."""
     if dtype not in ("int32", "float32"):
         raise ValueError(f"int8_matmul returns int32 or float32, not {dtype}")
-    if int8_matmul_path() == "jax-bf16-exact":
+    if int8_matmul_path(math.prod(inputs.shape[:-1])) == "jax-bf16-exact":
         return bf16_exact_product(inputs, kernel, dtype)
     product = ops.matmul(inputs, kernel)  # Keras' JAX matmul accumulates int8 in int32
     return product if dtype == "int32" else product.astype(dtype)

@@ -133,14 +133,17 @@ def test_int8_inference_product_is_keras_int8_product(shape):
     expected_path = {
         "torch": "torch-int-mm",
         "tensorflow": "tf-float32-exact",  # a small product over few terms
-        "jax": "keras-matmul-int32",
+        "jax": "keras-matmul-int32",  # few rows (on a CPU too)
     }[keras.backend.backend()]
+    assert backend_ops.int8_matmul_path(exact, layer.kernel) == expected_path
     if keras.backend.backend() == "jax":
         from kbert.backend import jax_ops
 
-        if kbert.backend.cpu_has_bf16_dot() and jax_ops.jax.default_backend() == "cpu":
-            expected_path = "jax-bf16-exact"
-    assert backend_ops.int8_matmul_path(exact, layer.kernel) == expected_path
+        many = np.zeros((4, 64, 24), "int8")
+        bf16 = kbert.backend.cpu_has_bf16_dot() and jax_ops.jax.default_backend() == "cpu"
+        assert backend_ops.int8_matmul_path(many, layer.kernel) == (
+            "jax-bf16-exact" if bf16 else "keras-matmul-int32"
+        )
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's CPU products")

@@ -341,6 +341,9 @@ EXACT_FLOAT_DEPTH = 1024
 # it pays. Decided by the kernel's shape alone, so a graph holds one product
 # per layer whatever its batch.
 FLOAT_KERNEL_SIZE = 1 << 16
+# Inside XLA the bfloat16 product converts the kernel on every call: from
+# this many rows on (static there) it pays (see kbert.backend.jax_ops).
+BF16_MIN_ROWS = 256
 
 
 def int8_matmul_path(inputs=None, kernel=None):
@@ -351,7 +354,9 @@ def int8_matmul_path(inputs=None, kernel=None):
     if tf.config.list_logical_devices("GPU"):
         return "tf-matmul-int32"
     if in_xla_context():  # the oneDNN kernel is a CPU kernel, outside XLA
-        return "tf-xla-bf16-exact" if backend.cpu_has_bf16_dot() else "tf-matmul-int32"
+        rows = None if inputs is None else inputs.shape[:-1].num_elements()
+        many = rows is None or rows >= BF16_MIN_ROWS
+        return "tf-xla-bf16-exact" if backend.cpu_has_bf16_dot() and many else "tf-matmul-int32"
     if not _onednn_int8_available():
         return "tf-matmul-int32"
     if kernel is not None and _float_exact(kernel):

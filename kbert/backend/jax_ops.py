@@ -331,7 +331,10 @@ def int8_matmul(inputs, kernel, dtype="int32"):
     (`dtype="float32"`; the bfloat16 path then skips an int32 pass)."""
     if dtype not in ("int32", "float32"):
         raise ValueError(f"int8_matmul returns int32 or float32, not {dtype}")
-    if int8_matmul_path(math.prod(inputs.shape[:-1])) == "jax-bf16-exact":
+    lead = inputs.shape[:-1]
+    # symbolic sizes (shape-polymorphic export) take the int32 product
+    rows = math.prod(lead) if all(isinstance(d, int) for d in lead) else 0
+    if int8_matmul_path(rows) == "jax-bf16-exact":
         return bf16_exact_product(inputs, kernel, dtype)
     product = ops.matmul(inputs, kernel)  # Keras' JAX matmul accumulates int8 in int32
     return product if dtype == "int32" else product.astype(dtype)

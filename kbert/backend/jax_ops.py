@@ -311,16 +311,18 @@ _EXACT_DEPTH = 1024
 _BF16_MIN_ROWS = 256
 
 
-def int8_matmul_path(rows=None):
-    """Names the path for a product of `rows` rows (None: many):
+def int8_matmul_path(shape=None):
+    """Names the path for inputs of `shape` (None: many rows):
     "jax-bf16-exact" on a CPU with bfloat16 dot instructions from
     `_BF16_MIN_ROWS` rows on, else "keras-matmul-int32" (XLA's int8 product
-    with int32 accumulation, which runs on a GPU's integer tensor cores)."""
-    if (
-        jax.default_backend() == "cpu"
-        and backend.cpu_has_bf16_dot()
-        and (rows is None or rows >= _BF16_MIN_ROWS)
-    ):
+    with int32 accumulation, which runs on a GPU's integer tensor cores).
+    Symbolic sizes (shape-polymorphic export) take the int32 product."""
+    if shape is None:
+        many = True
+    else:
+        lead = tuple(shape)[:-1]
+        many = all(isinstance(d, int) for d in lead) and math.prod(lead) >= _BF16_MIN_ROWS
+    if jax.default_backend() == "cpu" and backend.cpu_has_bf16_dot() and many:
         return "jax-bf16-exact"
     return "keras-matmul-int32"
 
@@ -331,10 +333,7 @@ def int8_matmul(inputs, kernel, dtype="int32"):
     (`dtype="float32"`; the bfloat16 path then skips an int32 pass)."""
     if dtype not in ("int32", "float32"):
         raise ValueError(f"int8_matmul returns int32 or float32, not {dtype}")
-    lead = inputs.shape[:-1]
-    # symbolic sizes (shape-polymorphic export) take the int32 product
-    rows = math.prod(lead) if all(isinstance(d, int) for d in lead) else 0
-    if int8_matmul_path(rows) == "jax-bf16-exact":
+    if int8_matmul_path(inputs.shape) == "jax-bf16-exact":
         return bf16_exact_product(inputs, kernel, dtype)
     product = ops.matmul(inputs, kernel)  # Keras' JAX matmul accumulates int8 in int32
     return product if dtype == "int32" else product.astype(dtype)

@@ -132,7 +132,6 @@ integer product, slower on a CPU than the float32 product it replaces.
 """
 
 import contextlib
-import math
 import threading
 
 import keras
@@ -206,9 +205,7 @@ def int8_matmul_path(inputs=None, kernel=None):
             return tf_ops.int8_matmul_path()
         return tf_ops.int8_matmul_path(ops.convert_to_tensor(inputs), ops.convert_to_tensor(kernel))
     if backend.is_jax():
-        return jax_ops.int8_matmul_path(
-            None if inputs is None else math.prod(ops.shape(inputs)[:-1])
-        )
+        return jax_ops.int8_matmul_path(None if inputs is None else ops.shape(inputs))
     return "keras-matmul-int32"
 
 

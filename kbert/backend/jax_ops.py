@@ -362,3 +362,82 @@ def bf16_exact_product(inputs, kernel, dtype="int32"):
         return functools.reduce(jnp.add, parts)
     product = functools.reduce(jnp.add, [p.astype(jnp.int32) for p in parts])
     return product if dtype == "int32" else product.astype(dtype)
+
+
+# float8 training (Keras' float8 `Dense`: e4m3 inputs and kernel, e5m2
+# output gradients, per-tensor scales from an abs-max history).
+_FLOAT8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def _float8_quantize(x, scale, dtype, compute_dtype):
+    """Keras' `quantize_and_dequantize` up to the cast to float8 (the same
+    operations in the same types): x / scale, clipped to the format's
+    range, as `dtype`."""
+    limit = _FLOAT8_MAX[dtype]
+    x = x / scale.astype(compute_dtype)
+    return jnp.clip(x, -limit, limit).astype(dtype)
+
+
+def _float8_scale(amax_history, scale, dtype):
+    """Keras' `compute_float8_scale(max(amax_history), scale, max)`."""
+    amax = jnp.max(amax_history, axis=0)
+    sf = jnp.where(amax > 0.0, _FLOAT8_MAX[dtype] / amax, 1.0 / scale)
+    return 1.0 / jnp.where(jnp.isfinite(amax), sf, 1.0 / scale)
+
+
+def _float8_history(x, amax_history):
+    """Keras' `compute_float8_amax_history`: roll left, newest abs-max first."""
+    amax = jnp.max(jnp.abs(x)).astype(amax_history.dtype)
+    return jnp.roll(amax_history, -1).at[0].set(amax)
+
+
+def _float8_product(a, b, scale_a, scale_b, dims, compute_dtype):
+    """The product of two float8 tensors, rescaled by their scales, in
+    `compute_dtype`: one float8 GEMM (float32 accumulation) on GPUs that
+    have one; XLA's CPU backend widens the operands."""
+    product = jax.lax.dot_general(a, b, dims, preferred_element_type=compute_dtype)
+    return product * (scale_a * scale_b).astype(compute_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def float8_matmul(inputs, kernel, sx, hx, sk, hk, sg, hg, compute_dtype):
+    """inputs (..., I) @ kernel (I, O) with float8 operands, as Keras'
+    float8 `Dense` computes it in training, differentiated the way Keras'
+    is: `state` = (inputs_scale, inputs_amax_history, kernel_scale,
+    kernel_amax_history, outputs_grad_scale, outputs_grad_amax_history),
+    whose cotangents are their next values (overwrite with gradient);
+    `compute_dtype` last. See `kbert.backend.ops.float8_matmul`."""
+    return _float8_forward(inputs, kernel, sx, hx, sk, hk, sg, hg, compute_dtype)[0]
+
+
+def _float8_forward(inputs, kernel, sx, hx, sk, hk, sg, hg, compute_dtype):
+    xq = _float8_quantize(inputs, sx, "float8_e4m3fn", compute_dtype)
+    kq = _float8_quantize(kernel, sk, "float8_e4m3fn", compute_dtype)
+    dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+    y = _float8_product(xq, kq, sx, sk, dims, compute_dtype)
+    # Keras computes the next input and kernel scales in the forward pass,
+    # from the histories before this call's abs-max joins them.
+    updates = (
+        _float8_scale(hx, sx, "float8_e4m3fn"),
+        _float8_history(inputs, hx),
+        _float8_scale(hk, sk, "float8_e4m3fn"),
+        _float8_history(kernel, hk),
+    )
+    # Empty arrays carry the primal dtypes (residuals must be arrays).
+    dtypes = (jnp.zeros((0,), inputs.dtype), jnp.zeros((0,), kernel.dtype))
+    return y, (xq, kq, sx, sk, sg, hg, updates, dtypes)
+
+
+def _float8_backward(compute_dtype, residuals, grad):
+    xq, kq, sx, sk, sg, hg, updates, (inputs_dtype, kernel_dtype) = residuals
+    gq = _float8_quantize(grad, sg, "float8_e5m2", compute_dtype)
+    lead = tuple(range(grad.ndim - 1))
+    dx = _float8_product(gq, kq, sg, sk, (((grad.ndim - 1,), (1,)), ((), ())), compute_dtype)
+    dk = _float8_product(xq, gq, sx, sg, ((lead, lead), ((), ())), compute_dtype)
+    new_sg = _float8_scale(hg, sg, "float8_e5m2")
+    new_hg = _float8_history(grad, hg)
+    dx, dk = dx.astype(inputs_dtype.dtype), dk.astype(kernel_dtype.dtype)
+    return (dx, dk, *updates, new_sg, new_hg)
+
+
+float8_matmul.defvjp(_float8_forward, _float8_backward)

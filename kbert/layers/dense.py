@@ -7,6 +7,8 @@ import keras
 from keras import ops
 
 from kbert.backend.ops import (
+    float8_matmul,
+    float8_matmul_path,
     fused_dense,
     int8_dequantize,
     int8_product,
@@ -80,6 +82,34 @@ class Dense(keras.layers.Dense):
             self.bias,
             self.compute_dtype,
         )
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
+    def _float8_call(self, inputs, training=None):
+        """Keras' float8 call; in training on JAX, the float8 product of
+        `kbert.backend.ops.float8_matmul` (same scales, same updates)."""
+        if not training or self.lora_enabled or float8_matmul_path() == "keras-qdq":
+            return super()._float8_call(inputs, training=training)
+        state = (
+            self.inputs_scale,
+            self.inputs_amax_history,
+            self.kernel_scale,
+            self.kernel_amax_history,
+            self.outputs_grad_scale,
+            self.outputs_grad_amax_history,
+        )
+        x = float8_matmul(
+            inputs,
+            ops.convert_to_tensor(self._kernel),
+            [ops.convert_to_tensor(v) for v in state],
+            self.compute_dtype,
+        )
+        if self.bias is not None:
+            bias = self.bias
+            if self.compute_dtype == "float32":  # Keras rounds it through bfloat16
+                bias = ops.cast(ops.cast(bias, "bfloat16"), bias.dtype)
+            x = ops.add(x, bias)
         if self.activation is not None:
             x = self.activation(x)
         return x

@@ -320,3 +320,60 @@ def test_int8_of_a_bfloat16_model_predicts_in_bfloat16():
     predicted = classifier.predict(x, verbose=0)
     assert np.isfinite(predicted).all()
     assert np.abs(predicted - reference).max() < 0.1
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's float8 product")
+@pytest.mark.parametrize("dtype", ["float32", "mixed_bfloat16"])
+def test_jax_float8_training_product_matches_keras_float8(monkeypatch, dtype):
+    """On JAX a float8 Dense in training multiplies the float8 tensors
+    (`ops.float8_matmul`) where Keras multiplies their dequantized copies:
+    the same outputs and gradients up to the rounding of the rescaling, and
+    the same next scales and amax histories (the gradients of the
+    overwrite-with-gradient variables: the inputs' exactly, the kernel's and
+    the output gradients' up to that rounding), over three steps."""
+    import jax
+
+    from kbert.layers import dense as dense_module
+
+    def run(path):
+        monkeypatch.setattr(dense_module, "float8_matmul_path", lambda: path)
+        keras.utils.set_random_seed(3)
+        layer = Dense(24, activation="gelu", dtype=dtype)
+        layer.build((2, 5, 16))
+        layer.quantize("float8")
+        rng = np.random.default_rng(0)
+        trainable = [keras.ops.convert_to_tensor(v) for v in layer.trainable_variables]
+        steps = []
+        for step in range(3):
+            x = keras.ops.convert_to_tensor(rng.normal(0, 1 + step, (2, 5, 16)).astype("float32"))
+
+            def loss(variables):
+                y, _ = layer.stateless_call(variables, [], x, training=True)
+                return keras.ops.sum(keras.ops.square(keras.ops.cast(y, "float32"))), y
+
+            (value, y), grads = jax.value_and_grad(loss, has_aux=True)(trainable)
+            steps.append((np.asarray(y, "float32"), [np.asarray(g, "float32") for g in grads]))
+            # what Keras' optimizer does: overwrite-with-gradient variables
+            # take their gradient, the others an SGD step
+            trainable = [
+                g if v.overwrite_with_gradient else t - 1e-3 * g
+                for v, t, g in zip(layer.trainable_variables, trainable, grads)
+            ]
+        return [v.path.split("/")[-1] for v in layer.trainable_variables], steps
+
+    names, ours = run("jax-float8-dot")
+    _, keras_steps = run("keras-qdq")
+    tolerance = 1e-5 if dtype == "float32" else 2e-2
+    for (y, grads), (y_ref, grads_ref) in zip(ours, keras_steps):
+        np.testing.assert_allclose(y, y_ref, rtol=tolerance, atol=tolerance * np.abs(y_ref).max())
+        for name, g, g_ref in zip(names, grads, grads_ref):
+            if name.startswith("inputs_"):  # from the same inputs: exact
+                np.testing.assert_array_equal(g, g_ref, err_msg=name)
+            elif name.startswith(("kernel_", "outputs_grad_")):  # equal up to rounding
+                np.testing.assert_allclose(g, g_ref, rtol=tolerance, err_msg=name)
+            else:
+                atol = tolerance * np.abs(g_ref).max()
+                np.testing.assert_allclose(g, g_ref, rtol=tolerance, atol=atol, err_msg=name)
+    # the histories filled: every step's abs-max of inputs, kernel and gradients
+    history = dict(zip(names, ours[-1][1]))
+    assert (history["inputs_amax_history"][:1] > 0).all()

@@ -1,8 +1,9 @@
 """Hugging Face Longformer directories -> kbert's windowed `BertBackbone`.
 
 Reads a transformers Longformer directory (config.json with model_type
-"longformer", model.safetensors): a `LongformerModel`, or the encoder of
-any Longformer task class (its head is left out). The backbone is a BERT
+"longformer", model.safetensors): a `LongformerModel`, or a task class with
+its head (`TASKS`: sequence classification, token classification, masked
+LM; the encoder alone of the others). The backbone is a BERT
 with sliding-window attention (`attention_window`) and separate global
 projections (`global_projections=True`), which is what Longformer is
 (Beltagy et al. 2020): same blocks, same embeddings, plus `query_global`,
@@ -23,6 +24,13 @@ Differences the conversion absorbs:
   per call.
 - one window for all layers: a config whose `attention_window` differs
   between layers is refused.
+- task heads: `LongformerForSequenceClassification`'s head is RoBERTa's
+  (dense + tanh on `<s>`, then `out_proj`), which is BERT's pooler and
+  classifier: its dense loads as the backbone's pooler (the same at
+  inference; transformers adds one more dropout in training). A directory
+  of a task class whose transformers model makes no token global
+  (token classification, masked LM) loads with `global_tokens=0`, as it
+  was trained; the others with [CLS] global, as transformers' classifier.
 
 The tokenizer is the directory's byte-level BPE `tokenizer.json`
 (`kbert.tokenizers.ByteLevelBPETokenizer`, RoBERTa's packing), which
@@ -35,7 +43,7 @@ import numpy as np
 from kbert.convert import huggingface as hf
 from kbert.layers.activations import canonical_activation
 from kbert.presets.io import PresetError
-from kbert.presets.loader import register_format
+from kbert.presets.loader import TaskHead, register_format
 
 MODEL_TYPE = "longformer"
 
@@ -94,9 +102,45 @@ def backbone_config_from_hf(hf_config, source="config.json"):
             "windowed backbone has one window for every layer"
         )
     config["attention_window"] = windows[0]
-    config["global_tokens"] = 1
+    task = TASKS.get(architecture(hf_config, source))
+    config["global_tokens"] = 1 if task is None else task[2]
     config["global_projections"] = True
     return config
+
+
+# transformers' Longformer task class -> (kbert class, head table, global tokens
+# transformers' model uses when given no global_attention_mask)
+TASKS = {
+    "LongformerForSequenceClassification": (
+        "BertClassifier",
+        [("classifier.out_proj", "logits", "linear")],
+        1,
+    ),
+    "LongformerForTokenClassification": (
+        "BertTokenClassifier",
+        [("classifier", "logits", "linear")],
+        0,
+    ),
+    "LongformerForMaskedLM": (
+        "BertMaskedLM",
+        [
+            ("lm_head.dense", "mlm_head/transform", "linear"),
+            ("lm_head.layer_norm", "mlm_head/layer_norm", "norm"),
+            ("lm_head.bias", "mlm_head/output_bias", "tensor"),
+        ],
+        0,
+    ),
+}
+# the classification head's dense, which kbert holds as the backbone's pooler
+CLASSIFIER_DENSE = [("classifier.dense", "pooler/dense", "linear")]
+
+
+def architecture(hf_config, source="config.json"):
+    """The directory's transformers class name ("LongformerModel" if none)."""
+    names = hf_config.get("architectures") or ["LongformerModel"]
+    if not isinstance(names, list) or not names or not isinstance(names[0], str):
+        raise PresetError(f"{source}: architectures must be a list of names")
+    return names[0]
 
 
 def _blocks(num_layers):
@@ -120,6 +164,8 @@ def backbone_weights_from_hf(state, config, offset):
             raise PresetError(f"the checkpoint lacks {key!r}")
         return state[key].T if transposed else state[key]
 
+    if "pooler/dense/kernel" not in weights:
+        weights.update(hf._read_head(CLASSIFIER_DENSE, state) or {})
     for theirs, ours in _blocks(config["num_layers"]):
         attention = ours + "self_attention/"
         weights[attention + "global_query/kernel"] = get(theirs + GLOBAL_QUERY + ".weight", True)
@@ -133,9 +179,20 @@ def backbone_weights_from_hf(state, config, offset):
     return weights
 
 
+def head_weights(class_name, hf_config, state):
+    """{kbert head path: array} of the `class_name` head (e.g.
+    "BertClassifier") a Longformer directory of class `hf_config`'s
+    architecture holds, or None."""
+    task = TASKS.get(architecture(hf_config))
+    if task is None or task[0] != class_name:
+        return None
+    return hf._read_head(task[1], state)
+
+
 class LongformerLoader(hf.HuggingFaceLoader):
     """A transformers Longformer directory (config.json with model_type
-    "longformer"): the backbone; task heads are not read."""
+    "longformer"): the backbone, and the head of the task classes in
+    `TASKS`."""
 
     format = "huggingface-longformer"
     priority = 28  # before the BERT / ALBERT reader, which takes any model_type
@@ -156,10 +213,28 @@ class LongformerLoader(hf.HuggingFaceLoader):
         return backbone_weights_from_hf(self.hf_state, config, position_offset(self.hf_config))
 
     def task_head(self, task_cls, load_weights=True):
-        return None
+        weights = head_weights(task_cls.__name__, self.hf_config, self.hf_state)
+        if weights is None:
+            return None
+        return TaskHead(
+            hf._task_config(task_cls, "bert"),
+            weights if load_weights else None,
+            source=f"Hugging Face head in {self.directory}",
+            exact=True,
+        )
 
     def held_model(self):
-        return "BertBackbone", {}
+        task = TASKS.get(architecture(self.hf_config, self.config_source))
+        if task is None:
+            return "BertBackbone", {}
+        name, table, _ = task
+        if not hf.TASKS[name].num_labels:
+            return name, {}
+        head = hf.tensors(table)[0][0]
+        shape = self._read_shapes().get(head)
+        if shape is None or len(shape) != 2:
+            raise PresetError(f"{self.directory} is a {name} head without a {head} matrix")
+        return name, {"num_classes": int(shape[0])}
 
 
 register_format(LongformerLoader)

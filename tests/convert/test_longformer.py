@@ -219,3 +219,63 @@ def test_longformer_question_answerer_packs_questions_as_roberta(tmp_path):
     # one token type: "first_segment" would make the context global too
     windowed = kbert.BertQuestionAnswerer.from_preset(tmp_path, attention_window=16)
     assert windowed.backbone.get_config()["global_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    "architecture, task, global_tokens",
+    [
+        ("LongformerForSequenceClassification", kbert.BertClassifier, 1),
+        ("LongformerForTokenClassification", kbert.BertTokenClassifier, 0),
+        ("LongformerForMaskedLM", kbert.BertMaskedLM, 0),
+    ],
+)
+def test_longformer_task_directories_load_with_their_heads(
+    tmp_path, architecture, task, global_tokens
+):
+    """A transformers Longformer task directory loads as its kbert task with
+    the head's weights and the global tokens transformers' class uses when
+    given no `global_attention_mask` ([CLS] for the classifier, none for
+    the others): its outputs (fp32, 1e-5) on ragged padding; the held
+    model (class and classes) is read from config.json."""
+    from kbert.models.preset_io import held_model
+
+    config = transformers.LongformerConfig(**TINY, num_labels=5)
+    torch.manual_seed(1)
+    reference = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():  # biases and norms away from their initial values
+        for name, p in reference.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path)
+    x = _inputs()
+    with torch.no_grad():
+        want = reference(
+            input_ids=torch.tensor(x["token_ids"]).long(),
+            attention_mask=torch.tensor(x["padding_mask"]).long(),
+        ).logits.numpy()
+    name, kwargs = held_model(tmp_path)
+    assert name == task.__name__
+    assert kwargs == ({} if task is kbert.BertMaskedLM else {"num_classes": 5})
+    model = task.from_preset(tmp_path, **kwargs)
+    assert model.backbone.get_config()["global_tokens"] == global_tokens
+    if task is kbert.BertMaskedLM:
+        positions = np.array([[0, 3, 7], [1, 2, 19], [0, 1, 4]], "int32")
+        got = model({**x, "mask_positions": positions})["mlm_logits"]
+        want = np.take_along_axis(want, positions[..., None], axis=1)
+    else:
+        got = model(x)
+    got = keras.ops.convert_to_numpy(got)
+    if task is kbert.BertTokenClassifier:
+        got, want = _masked(got, x), _masked(want, x)
+    assert harness.max_abs_diff(got, want) <= 1e-5
+
+
+def test_longformer_head_for_another_task_is_left_fresh(tmp_path):
+    """A classifier asked of a token-classification directory takes its
+    encoder and a fresh head (transformers' heads differ in shape and
+    meaning), and says so."""
+    config = transformers.LongformerConfig(**TINY, num_labels=3)
+    transformers.LongformerForTokenClassification(config).save_pretrained(tmp_path)
+    model = kbert.BertClassifier.from_preset(tmp_path, num_classes=2)
+    assert model.num_classes == 2
+    assert tuple(model.get_layer("logits").kernel.shape) == (TINY["hidden_size"], 2)

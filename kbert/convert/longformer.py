@@ -29,8 +29,10 @@ Differences the conversion absorbs:
   classifier: its dense loads as the backbone's pooler (the same at
   inference; transformers adds one more dropout in training). A directory
   of a task class whose transformers model makes no token global
-  (token classification, masked LM) loads with `global_tokens=0`, as it
-  was trained; the others with [CLS] global, as transformers' classifier.
+  (token classification, masked LM) loads as that task with
+  `global_tokens=0`, as it was trained; anything else with [CLS] global,
+  as transformers' classifier. Its masked-LM head must apply GELU and be
+  tied to the token embeddings, as kbert's is (others are refused).
 
 The tokenizer is the directory's byte-level BPE `tokenizer.json`
 (`kbert.tokenizers.ByteLevelBPETokenizer`, RoBERTa's packing), which
@@ -102,8 +104,7 @@ def backbone_config_from_hf(hf_config, source="config.json"):
             "windowed backbone has one window for every layer"
         )
     config["attention_window"] = windows[0]
-    task = TASKS.get(architecture(hf_config, source))
-    config["global_tokens"] = 1 if task is None else task[2]
+    config["global_tokens"] = 1
     config["global_projections"] = True
     return config
 
@@ -179,14 +180,54 @@ def backbone_weights_from_hf(state, config, offset):
     return weights
 
 
-def head_weights(class_name, hf_config, state):
-    """{kbert head path: array} of the `class_name` head (e.g.
-    "BertClassifier") a Longformer directory of class `hf_config`'s
-    architecture holds, or None."""
+def held_task(task_cls, hf_config):
+    """The `TASKS` entry of the directory's architecture when `task_cls`
+    (or a class it derives from) is its kbert class, else None."""
     task = TASKS.get(architecture(hf_config))
-    if task is None or task[0] != class_name:
+    if task is None or task[0] not in {c.__name__ for c in task_cls.__mro__}:
         return None
+    return task
+
+
+def head_weights(task_cls, hf_config, state, source="the checkpoint"):
+    """{kbert head path: array} of the `task_cls` head a Longformer
+    directory of `hf_config`'s architecture holds, or None."""
+    task = held_task(task_cls, hf_config)
+    if task is None:
+        return None
+    if task[0] == "BertMaskedLM":
+        _check_lm_head(hf_config, state, source)
+        if "lm_head.bias" not in state and "lm_head.decoder.bias" in state:
+            state = {**state, "lm_head.bias": state["lm_head.decoder.bias"]}
     return hf._read_head(task[1], state)
+
+
+def _check_lm_head(hf_config, state, source):
+    """Refuses LM heads kbert's `BertMaskedLM` would compute otherwise:
+    transformers' applies erf GELU whatever `hidden_act` says (kbert's
+    head the backbone's activation), and a decoder not tied to the token
+    embeddings (kbert's always is)."""
+    try:
+        activation = canonical_activation(hf_config.get("hidden_act", "gelu"))
+    except (TypeError, ValueError):
+        activation = None
+    if activation != "gelu":
+        raise PresetError(
+            f"{source}: transformers' Longformer LM head applies GELU, but kbert's masked-LM "
+            f"head applies the encoder's activation ({hf_config.get('hidden_act')!r:.40}); "
+            "load the encoder (BertBackbone) and train a new head"
+        )
+    decoder = state.get("lm_head.decoder.weight")
+    embeddings = state.get(hf._prefix(state) + "embeddings.word_embeddings.weight")
+    untied = hf_config.get("tie_word_embeddings", True) is False or (
+        decoder is not None and not np.array_equal(decoder, embeddings)
+    )
+    if untied:
+        raise PresetError(
+            f"{source}: its LM head's decoder is not the token embedding table (untied), "
+            "which kbert's masked-LM head always is; load the encoder (BertBackbone) and "
+            "train a new head"
+        )
 
 
 class LongformerLoader(hf.HuggingFaceLoader):
@@ -213,15 +254,21 @@ class LongformerLoader(hf.HuggingFaceLoader):
         return backbone_weights_from_hf(self.hf_state, config, position_offset(self.hf_config))
 
     def task_head(self, task_cls, load_weights=True):
-        weights = head_weights(task_cls.__name__, self.hf_config, self.hf_state)
-        if weights is None:
+        if held_task(task_cls, self.hf_config) is None:
             return None
+        weights = None
+        if load_weights:
+            weights = head_weights(task_cls, self.hf_config, self.hf_state, self.directory)
         return TaskHead(
             hf._task_config(task_cls, "bert"),
-            weights if load_weights else None,
+            weights,
             source=f"Hugging Face head in {self.directory}",
             exact=True,
         )
+
+    def task_backbone_config(self, task_cls):
+        task = held_task(task_cls, self.hf_config)
+        return {} if task is None or task[2] == 1 else {"global_tokens": task[2]}
 
     def held_model(self):
         task = TASKS.get(architecture(self.hf_config, self.config_source))

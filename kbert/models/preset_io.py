@@ -248,6 +248,7 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
     allow_pickle = backbone_overrides.pop("allow_pickle", False)
     loader = loader_for(directory, allow_pickle)
+    backbone_overrides = {**loader.task_backbone_config(cls), **backbone_overrides}
     if backbone_overrides.get("attention_window"):
         # the task's choice of global tokens for a window it asks for (e.g. the question)
         defaults = cls.window_defaults(kwargs)

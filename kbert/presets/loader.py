@@ -186,6 +186,12 @@ class PresetLoader:
         """The `TaskHead` of `task_cls` the directory holds, or None."""
         return None
 
+    def task_backbone_config(self, task_cls):
+        """Backbone settings the directory's head was trained with, for
+        `task_cls` when that head is the one loaded (e.g. Longformer's
+        token classifier: no global token); the caller's settings win."""
+        return {}
+
     def held_model(self):
         """(class name, constructor arguments) of the model the directory holds."""
         return "BertBackbone", {}

@@ -272,10 +272,30 @@ def test_longformer_task_directories_load_with_their_heads(
 
 def test_longformer_head_for_another_task_is_left_fresh(tmp_path):
     """A classifier asked of a token-classification directory takes its
-    encoder and a fresh head (transformers' heads differ in shape and
-    meaning), and says so."""
+    encoder, a fresh head (transformers' heads differ in shape and
+    meaning) and [CLS] global, as a classifier is trained: the directory's
+    "no global token" belongs to its own head."""
     config = transformers.LongformerConfig(**TINY, num_labels=3)
     transformers.LongformerForTokenClassification(config).save_pretrained(tmp_path)
     model = kbert.BertClassifier.from_preset(tmp_path, num_classes=2)
     assert model.num_classes == 2
     assert tuple(model.get_layer("logits").kernel.shape) == (TINY["hidden_size"], 2)
+    assert model.backbone.get_config()["global_tokens"] == 1
+    assert kbert.BertBackbone.from_preset(tmp_path).get_config()["global_tokens"] == 1
+    tagger = kbert.BertTokenClassifier.from_preset(tmp_path, num_classes=3, global_tokens=2)
+    assert tagger.backbone.get_config()["global_tokens"] == 2  # the caller's setting wins
+
+
+@pytest.mark.parametrize("case", ["relu", "untied"])
+def test_longformer_lm_heads_kbert_would_compute_otherwise_are_refused(tmp_path, case):
+    """transformers' Longformer LM head applies GELU whatever hidden_act
+    says, and may be untied from the token embeddings; kbert's masked-LM
+    head applies the encoder's activation and is always tied: such heads
+    are refused with the reason (the encoder still loads)."""
+    extra = {"hidden_act": "relu"} if case == "relu" else {"tie_word_embeddings": False}
+    config = transformers.LongformerConfig(**TINY, **extra)
+    transformers.LongformerForMaskedLM(config).save_pretrained(tmp_path)
+    match = "applies GELU" if case == "relu" else "untied"
+    with pytest.raises(PresetError, match=match):
+        kbert.BertMaskedLM.from_preset(tmp_path)
+    assert kbert.BertBackbone.from_preset(tmp_path).num_layers == TINY["num_hidden_layers"]

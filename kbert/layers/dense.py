@@ -59,6 +59,8 @@ class Dense(keras.layers.Dense):
     def quantized_call(self, inputs, training=None):
         if self.quantization_mode == "int8" and self._int8_inference(training):
             return self._int8_inference_call(inputs)
+        if self.quantization_mode == "float8" and self._float8_product_training(training):
+            return self._float8_product_call(inputs)
         return super().quantized_call(inputs, training=training)
 
     def _int8_inference(self, training):
@@ -86,11 +88,15 @@ class Dense(keras.layers.Dense):
             x = self.activation(x)
         return x
 
-    def _float8_call(self, inputs, training=None):
-        """Keras' float8 call; in training on JAX, the float8 product of
+    def _float8_product_training(self, training):
+        """Whether a float8 call takes `_float8_product_call`: training
+        without LoRA on a backend with `kbert.backend.ops.float8_matmul`
+        (Keras' own call keeps inference and the rest)."""
+        return bool(training) and not self.lora_enabled and float8_matmul_path() != "keras-qdq"
+
+    def _float8_product_call(self, inputs):
+        """Keras' float8 training call with the float8 product of
         `kbert.backend.ops.float8_matmul` (same scales, same updates)."""
-        if not training or self.lora_enabled or float8_matmul_path() == "keras-qdq":
-            return super()._float8_call(inputs, training=training)
         state = (
             self.inputs_scale,
             self.inputs_amax_history,
@@ -101,7 +107,7 @@ class Dense(keras.layers.Dense):
         )
         x = float8_matmul(
             inputs,
-            ops.convert_to_tensor(self._kernel),
+            ops.convert_to_tensor(self.kernel),  # no LoRA here: the kernel variable
             [ops.convert_to_tensor(v) for v in state],
             self.compute_dtype,
         )

@@ -68,6 +68,26 @@ class PresetMixin:
             return export_model(self, filepath, format=format, verbose=verbose, **kwargs)
         return keras.Model.export(self, filepath, format, verbose, input_signature, **kwargs)
 
+    def quantize(self, mode=None, *args, **kwargs):
+        """Keras' `quantize`; "float8" is refused for a backbone whose
+        blocks share their weights (`share_layers`): float8 keeps one scale
+        and abs-max history per Dense, updated through its gradient, and a
+        Dense applied in every block gets the sum of those updates (its
+        scales grow by the number of layers at each step)."""
+        backbone = self if hasattr(self, "share_layers") else getattr(self, "backbone", None)
+        if (
+            mode == "float8"
+            and getattr(backbone, "share_layers", False)
+            and getattr(backbone, "num_layers", 1) > 1
+        ):
+            raise ValueError(
+                f'quantize("float8") of a backbone with share_layers=True: each shared Dense '
+                f"runs {backbone.num_layers} times a step, and float8's delayed scaling would "
+                "add their scale updates together; train it in bf16 (mixed_bfloat16), or "
+                'quantize("int8") a trained model for inference'
+            )
+        return super().quantize(mode, *args, **kwargs)
+
     @classmethod
     def from_preset(cls, preset, load_weights=True, **kwargs):
         """Builds the model from a registered name, a kbert preset directory

@@ -377,3 +377,21 @@ def test_jax_float8_training_product_matches_keras_float8(monkeypatch, dtype):
     # the histories filled: every step's abs-max of inputs, kernel and gradients
     history = dict(zip(names, ours[-1][1]))
     assert (history["inputs_amax_history"][:1] > 0).all()
+
+
+def test_float8_of_shared_layers_is_refused_and_int8_is_not():
+    """float8's scale updates reach a Dense through its gradient, summed
+    over the blocks a shared layer runs in (the scales grew 4x a step with
+    4 shared layers): refused, for the backbone and for a task on it;
+    int8 inference of the same model works."""
+    shared = {**TINY, "num_layers": 3, "share_layers": True, "embedding_dim": 8}
+    backbone = kbert.BertBackbone(**shared)
+    classifier = kbert.BertClassifier(backbone, num_classes=2)
+    for model in (backbone, classifier):
+        with pytest.raises(ValueError, match="share_layers=True"):
+            model.quantize("float8")
+    assert not quantized_layers(classifier)
+    x = harness.backbone_inputs()
+    reference = classifier.predict(x, verbose=0)
+    quantize(classifier, "int8")
+    assert np.abs(classifier.predict(x, verbose=0) - reference).max() < 0.1

@@ -2,8 +2,8 @@
 
 Reads a transformers Longformer directory (config.json with model_type
 "longformer", model.safetensors): a `LongformerModel`, or a task class with
-its head (`TASKS`: sequence classification, token classification, masked
-LM; the encoder alone of the others). The backbone is a BERT
+its head (`TASKS`: sequence and token classification, masked LM,
+question answering, multiple choice). The backbone is a BERT
 with sliding-window attention (`attention_window`) and separate global
 projections (`global_projections=True`), which is what Longformer is
 (Beltagy et al. 2020): same blocks, same embeddings, plus `query_global`,
@@ -33,6 +33,12 @@ Differences the conversion absorbs:
   `global_tokens=0`, as it was trained; anything else with [CLS] global,
   as transformers' classifier. Its masked-LM head must apply GELU and be
   tied to the token embeddings, as kbert's is (others are refused).
+  Question answering and multiple choice, from any Longformer directory,
+  make global what transformers' classes compute from the token ids: the
+  tokens before the first `</s>` (`<s>` and the question) and those after
+  the first `</s></s>` pair (the ending), at most `max_query_length` + 2
+  and `MAX_ENDING_TOKENS` of them (more attend locally; `max_global_tokens`
+  changes the bound).
 
 The tokenizer is the directory's byte-level BPE `tokenizer.json`
 (`kbert.tokenizers.ByteLevelBPETokenizer`, RoBERTa's packing), which
@@ -44,6 +50,7 @@ import numpy as np
 
 from kbert.convert import huggingface as hf
 from kbert.layers.activations import canonical_activation
+from kbert.layers.banded_attention import AFTER_SEPARATORS, BEFORE_SEPARATOR
 from kbert.presets.io import PresetError
 from kbert.presets.loader import TaskHead, register_format
 
@@ -106,6 +113,10 @@ def backbone_config_from_hf(hf_config, source="config.json"):
     config["attention_window"] = windows[0]
     config["global_tokens"] = 1
     config["global_projections"] = True
+    separator = hf_config.get("sep_token_id", 2)
+    if not isinstance(separator, int) or isinstance(separator, bool) or separator < 0:
+        raise PresetError(f"{source}: sep_token_id must be a token id, got {separator!r:.60}")
+    config["separator_token_id"] = separator
     return config
 
 
@@ -131,7 +142,25 @@ TASKS = {
         ],
         0,
     ),
+    "LongformerForQuestionAnswering": (
+        "BertQuestionAnswerer",
+        [("qa_outputs", "logits", "linear")],
+        BEFORE_SEPARATOR,
+    ),
+    "LongformerForMultipleChoice": (
+        "BertMultipleChoice",
+        [("classifier", "logits", "linear")],
+        AFTER_SEPARATORS,
+    ),
 }
+# kbert task -> the global rule transformers' class computes from the token
+# ids whatever checkpoint it starts from (question answering: `<s>` and the
+# question; multiple choice: each ending), and the static number of global
+# slots (the rule's tokens beyond it attend locally)
+SEPARATOR_TASKS = {"BertQuestionAnswerer": BEFORE_SEPARATOR, "BertMultipleChoice": AFTER_SEPARATORS}
+# global slots of a multiple-choice ending (the question answerer's come from
+# its max_query_length)
+MAX_ENDING_TOKENS = 64
 # the classification head's dense, which kbert holds as the backbone's pooler
 CLASSIFIER_DENSE = [("classifier.dense", "pooler/dense", "linear")]
 
@@ -266,7 +295,12 @@ class LongformerLoader(hf.HuggingFaceLoader):
             exact=True,
         )
 
-    def task_backbone_config(self, task_cls):
+    def task_backbone_config(self, task_cls, task_kwargs):
+        names = {c.__name__ for c in task_cls.__mro__}
+        for name, rule in SEPARATOR_TASKS.items():
+            if name in names:
+                slots = task_cls.window_defaults(task_kwargs).get("max_global_tokens")
+                return {"global_tokens": rule, "max_global_tokens": slots or MAX_ENDING_TOKENS}
         task = held_task(task_cls, self.hf_config)
         return {} if task is None or task[2] == 1 else {"global_tokens": task[2]}
 

@@ -33,6 +33,16 @@ from kbert.utils import checks
 NAME = "banded"
 # `global_tokens` for the tokens of the first segment: [CLS], a question, [SEP]
 FIRST_SEGMENT = "first_segment"
+# `global_tokens` rules of one-token-type (RoBERTa-style) packing `<s> A </s></s> B
+# </s>`, read from the token ids (the backbone's `separator_token_id`), as
+# transformers' Longformer classes without a `global_attention_mask`: the
+# tokens before the first separator (question answering: `<s>` and the
+# question) and those after the first separator pair (multiple choice: the
+# choice and its `</s>`)
+BEFORE_SEPARATOR = "before_separator"
+AFTER_SEPARATORS = "after_separators"
+SEPARATOR_RULES = (BEFORE_SEPARATOR, AFTER_SEPARATORS)
+RULES = (FIRST_SEGMENT, *SEPARATOR_RULES)
 
 
 def supports(mask, dtype, rate):
@@ -171,12 +181,19 @@ def banded_attention(query, key, value, mask, scale, dropout):
 attention.register_attention(NAME, banded_attention, supports, auto_position=0)
 
 
-def check_window(attention_window, global_tokens, max_global_tokens=None, global_projections=False):
+def check_window(
+    attention_window,
+    global_tokens,
+    max_global_tokens=None,
+    global_projections=False,
+    separator_token_id=None,
+):
     """Raises a ValueError naming the setting unless `attention_window` is
     None or a positive even int, `global_tokens` a non-negative int or
-    "first_segment" (which needs `max_global_tokens`), `max_global_tokens`
-    None or a positive int and `global_projections` a bool (True only with
-    a window)."""
+    one of `RULES` (which need `max_global_tokens`; the separator rules
+    `separator_token_id` too), `max_global_tokens` None or a positive int,
+    `separator_token_id` None or a non-negative int and
+    `global_projections` a bool (True only with a window)."""
     if attention_window is not None and (
         not isinstance(attention_window, int)
         or isinstance(attention_window, bool)
@@ -188,13 +205,28 @@ def check_window(attention_window, global_tokens, max_global_tokens=None, global
             f"(each token sees W / 2 tokens on each side, as in Longformer), "
             f"got {attention_window!r}"
         )
-    if global_tokens != FIRST_SEGMENT and (
+    if global_tokens not in RULES and (
         not isinstance(global_tokens, int) or isinstance(global_tokens, bool) or global_tokens < 0
     ):
         raise ValueError(
             f"global_tokens must be a non-negative int (the first tokens of each example that "
-            f'attend everywhere; 1: [CLS]) or "{FIRST_SEGMENT}" ([CLS], the first segment and '
-            f"its [SEP]: a question), got {global_tokens!r}"
+            f'attend everywhere; 1: [CLS]), "{FIRST_SEGMENT}" ([CLS], the first segment and '
+            f'its [SEP]: a question), "{BEFORE_SEPARATOR}" or "{AFTER_SEPARATORS}" (the tokens '
+            f"before the first separator token, or after the first pair: RoBERTa-style "
+            f"packing), got {global_tokens!r}"
+        )
+    if separator_token_id is not None and (
+        not isinstance(separator_token_id, int)
+        or isinstance(separator_token_id, bool)
+        or separator_token_id < 0
+    ):
+        raise ValueError(
+            f"separator_token_id must be None or a token id, got {separator_token_id!r}"
+        )
+    if global_tokens in SEPARATOR_RULES and separator_token_id is None:
+        raise ValueError(
+            f'global_tokens="{global_tokens}" reads the separator tokens: set '
+            "separator_token_id (the id of `</s>` or [SEP])"
         )
     if max_global_tokens is not None and (
         not isinstance(max_global_tokens, int)
@@ -205,10 +237,10 @@ def check_window(attention_window, global_tokens, max_global_tokens=None, global
             "max_global_tokens must be None or a positive int (the most global tokens a "
             f"row's global_attention_mask may hold), got {max_global_tokens!r}"
         )
-    if global_tokens == FIRST_SEGMENT and max_global_tokens is None:
+    if global_tokens in RULES and max_global_tokens is None:
         raise ValueError(
-            f'global_tokens="{FIRST_SEGMENT}" needs max_global_tokens: the most tokens a first '
-            "segment may hold (e.g. a question answerer's max_query_length + 2)"
+            f'global_tokens="{global_tokens}" needs max_global_tokens: the most global tokens '
+            "a row may hold (e.g. a question answerer's max_query_length + 2)"
         )
     if not isinstance(global_projections, bool):
         raise ValueError(f"global_projections must be True or False, got {global_projections!r}")
@@ -228,6 +260,8 @@ def window_mask(
     global_mask=None,
     max_global=None,
     segment_ids=None,
+    token_ids=None,
+    separator_id=None,
 ):
     """The `AttentionMask` of sliding-window attention: each token sees
     `attention_window // 2` tokens on each side; the first `global_tokens`
@@ -253,6 +287,9 @@ def window_mask(
             for the int rule; counted from `global_mask`'s values where
             they are known.
         segment_ids: int tensor (B, T) or None. for "first_segment".
+        token_ids: int tensor (B, T) or None. for the separator rules.
+        separator_id: int or None. the separator token's id, for the
+            separator rules.
 
     Example:
     >>> import numpy as np
@@ -263,10 +300,17 @@ def window_mask(
     parts = {"padding": padding_mask, "window": attention_window // 2}
     if segments is not None:
         parts["segments"] = segments
-    if global_tokens == FIRST_SEGMENT and global_mask is None:
-        if segment_ids is None:
-            raise ValueError(f'global_tokens="{FIRST_SEGMENT}" needs the segment ids')
-        global_mask = ops.cast(ops.equal(segment_ids, 0), "int32")
+    if global_tokens in RULES and global_mask is None:
+        if global_tokens == FIRST_SEGMENT:
+            if segment_ids is None:
+                raise ValueError(f'global_tokens="{FIRST_SEGMENT}" needs the segment ids')
+            global_mask = ops.cast(ops.equal(segment_ids, 0), "int32")
+        else:
+            if token_ids is None or separator_id is None:
+                raise ValueError(
+                    f'global_tokens="{global_tokens}" needs the token ids and the separator id'
+                )
+            global_mask = separator_rule_mask(global_tokens, token_ids, separator_id, position_ids)
         if segments is not None:  # rows of several examples: one first segment each
             length = padding_mask.shape[1]
             if not isinstance(length, int):
@@ -300,3 +344,32 @@ def window_mask(
             parts["max_global"] = length
         parts["global_tokens"] = ops.cast(ops.less(position_ids, global_tokens), "int32")
     return AttentionMask(**parts)
+
+
+def separator_rule_mask(rule, token_ids, separator_id, position_ids=None):
+    """(B, T) int32, 1 for the global tokens of a separator rule
+    (`BEFORE_SEPARATOR`: positions before the example's first separator;
+    `AFTER_SEPARATORS`: positions more than one past it, as transformers'
+    Longformer computes them from `input_ids`). `position_ids`: each
+    token's position in its example, for rows holding several (None: one
+    example per row)."""
+    is_sep = ops.cast(ops.equal(token_ids, separator_id), "int32")  # (B, T)
+    index = ops.cumsum(ops.ones_like(is_sep), axis=1) - 1  # (B, T)
+    if position_ids is None:
+        position_ids = index
+    start = index - ops.cast(position_ids, "int32")  # each token's example start
+
+    def in_example(inclusive, flags):
+        """A running count restarted at each example's first token."""
+        base = ops.take_along_axis(inclusive - flags, start, axis=1)
+        return inclusive - base
+
+    seen = in_example(ops.cumsum(is_sep, axis=1), is_sep)  # separators up to the token
+    before = ops.cast(ops.equal(seen, 0), "int32")
+    if rule == BEFORE_SEPARATOR:
+        return before
+    # the example's first separator's position: the length of its prefix
+    # of `before` tokens (counted at or after that prefix's end)
+    first = in_example(ops.cumsum(before, axis=1), before)
+    after = ops.logical_and(ops.greater(seen, 0), ops.greater(position_ids, first + 1))
+    return ops.cast(after, "int32")

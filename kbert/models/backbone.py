@@ -81,8 +81,8 @@ def encoder_forward(
     builds the functional graph, and `BertBackbone.call` runs it for the
     strategies the graph cannot express (packed rows; `run_blocks`, a
     function (blocks, x, attention_mask, training) -> x, for the blocks as
-    one loop). `window`: (attention_window, global_tokens, max_global) for
-    sliding-window attention (`window_mask`; `inputs` may hold a
+    one loop). `window`: (attention_window, global_tokens, max_global,
+    separator_token_id) for sliding-window attention (`window_mask`; `inputs` may hold a
     `GLOBAL_MASK`), or None."""
     packed = is_packed(inputs)
     # `training` only where given: the functional graph takes it from the call
@@ -95,7 +95,7 @@ def encoder_forward(
             padding=inputs["padding_mask"], segments=inputs["example_ids"]
         )
     if window is not None:  # `kbert.layers.banded_attention`
-        attention_window, global_tokens, max_global = window
+        attention_window, global_tokens, max_global, separator_id = window
         attention_mask = window_mask(
             inputs["padding_mask"],
             attention_window,
@@ -105,6 +105,8 @@ def encoder_forward(
             global_mask=inputs.get(GLOBAL_MASK),
             max_global=max_global,
             segment_ids=inputs["segment_ids"],
+            token_ids=inputs["token_ids"],
+            separator_id=separator_id,
         )
     states = [x]
     if run_blocks is not None:
@@ -203,7 +205,13 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             the first this many tokens of each row see and are seen by
             every token (1: [CLS]); "first_segment": the tokens of segment
             0 ([CLS], a question and its [SEP], Longformer's choice for
-            question answering; needs `max_global_tokens`).
+            question answering; needs `max_global_tokens`);
+            "before_separator" / "after_separators": for one token type
+            (RoBERTa-style packing `<s> A </s></s> B </s>`), the tokens
+            before the first separator (`<s>` and a question) or after the
+            first separator pair (a multiple-choice ending), as
+            transformers' Longformer question answering and multiple
+            choice; need `max_global_tokens` and `separator_token_id`.
             An input `global_attention_mask` (B, T), 1 for the tokens that
             attend globally (Longformer's), replaces this rule for a call.
         max_global_tokens: int or None. with `attention_window`, the most
@@ -211,6 +219,8 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             static size the window kernels gather them into, which compiled
             calls (`predict`, `fit`) need. None: counted from the mask in
             eager calls.
+        separator_token_id: int or None. the separator's id (`</s>`,
+            [SEP]), for the "before_separator" and "after_separators" rules.
         global_projections: bool. with `attention_window`, global tokens
             attend with projections of their own (Longformer's
             `query_global`, `key_global`, `value_global`); loading a
@@ -256,6 +266,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         global_tokens=1,
         max_global_tokens=None,
         global_projections=False,
+        separator_token_id=None,
         dtype=None,
         **kwargs,
     ):
@@ -287,7 +298,13 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
                 raise ValueError(f"{arg} must be in [0, 1), got {value!r}")
         activation = canonical_activation(activation)
         check_implementation_name(attention_implementation)
-        check_window(attention_window, global_tokens, max_global_tokens, global_projections)
+        check_window(
+            attention_window,
+            global_tokens,
+            max_global_tokens,
+            global_projections,
+            separator_token_id,
+        )
         block_cls = block_class(block_type)
         if block_options is not None and not isinstance(block_options, dict):
             raise ValueError(f"block_options must be a dict or None, got {block_options!r}")
@@ -368,6 +385,7 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
         self.global_tokens = global_tokens
         self.max_global_tokens = max_global_tokens
         self.global_projections = global_projections
+        self.separator_token_id = separator_token_id
         self.block_type = block_type
         self.block_options = dict(block_options) if block_options else None
 
@@ -416,11 +434,16 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
 
     @property
     def window(self):
-        """(attention_window, global_tokens, max_global) for `window_mask`,
-        or None for full attention."""
+        """(attention_window, global_tokens, max_global, separator_token_id)
+        for `window_mask`, or None for full attention."""
         if not self.attention_window:
             return None
-        return (self.attention_window, self.global_tokens, self.max_global_tokens)
+        return (
+            self.attention_window,
+            self.global_tokens,
+            self.max_global_tokens,
+            self.separator_token_id,
+        )
 
     def can_loop_layers(self, inputs):
         """Whether `call` can run the blocks on `inputs` as one loop over
@@ -616,6 +639,11 @@ class BertBackbone(preset_io.PresetMixin, keras.Model):
             ),
             **({"max_global_tokens": self.max_global_tokens} if self.max_global_tokens else {}),
             **({"global_projections": True} if self.global_projections else {}),
+            **(
+                {"separator_token_id": self.separator_token_id}
+                if self.separator_token_id is not None
+                else {}
+            ),
             **({"block_type": self.block_type} if self.block_type != "bert" else {}),
             **({"block_options": self.block_options} if self.block_options else {}),
         }

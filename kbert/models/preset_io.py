@@ -16,7 +16,7 @@ import keras
 import kbert.convert  # noqa: F401  (registers the foreign formats with loader_for)
 from kbert.export import export_model
 from kbert.layers import initializers
-from kbert.layers.banded_attention import FIRST_SEGMENT
+from kbert.layers.banded_attention import BEFORE_SEPARATOR, FIRST_SEGMENT
 from kbert.layers.quantization import (
     apply_quantization,
     quantized_layers,
@@ -50,6 +50,7 @@ BACKBONE_OVERRIDES = (
     "global_tokens",
     "max_global_tokens",
     "global_projections",
+    "separator_token_id",
 )
 
 
@@ -268,18 +269,24 @@ def load_task(cls, directory, load_weights=True, **kwargs):
     backbone_overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in BACKBONE_OVERRIDES}
     allow_pickle = backbone_overrides.pop("allow_pickle", False)
     loader = loader_for(directory, allow_pickle)
-    backbone_overrides = {**loader.task_backbone_config(cls), **backbone_overrides}
+    backbone_overrides = {**loader.task_backbone_config(cls, kwargs), **backbone_overrides}
     if backbone_overrides.get("attention_window"):
         # the task's choice of global tokens for a window it asks for (e.g. the question)
         defaults = cls.window_defaults(kwargs)
-        one_type = loader.backbone_config().get("type_vocab_size", 2) < 2
-        if defaults.get("global_tokens") == FIRST_SEGMENT and one_type:
-            logger.warning(
-                "%s: one token type (RoBERTa-style packing), so the first segment cannot be "
-                "told from the second: global tokens stay the backbone's ([CLS])",
-                directory,
-            )
-            defaults = {}
+        config = {**loader.backbone_config(), **backbone_overrides}
+        if defaults.get("global_tokens") == FIRST_SEGMENT and config.get("type_vocab_size", 2) < 2:
+            # one token type (RoBERTa-style packing `<s> q </s></s> c </s>`): the
+            # question is what comes before the first separator
+            if config.get("separator_token_id") is not None:
+                defaults = {**defaults, "global_tokens": BEFORE_SEPARATOR}
+            else:
+                logger.warning(
+                    "%s: one token type (RoBERTa-style packing) and no separator_token_id, so "
+                    "the first segment cannot be told from the second: global tokens stay the "
+                    "backbone's ([CLS])",
+                    directory,
+                )
+                defaults = {}
         backbone_overrides = {**defaults, **backbone_overrides}
     backbone = build_backbone(cls.backbone_cls, loader, load_weights, backbone_overrides)
     head = loader.task_head(cls, load_weights)

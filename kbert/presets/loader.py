@@ -186,10 +186,13 @@ class PresetLoader:
         """The `TaskHead` of `task_cls` the directory holds, or None."""
         return None
 
-    def task_backbone_config(self, task_cls):
+    def task_backbone_config(self, task_cls, task_kwargs):
         """Backbone settings the directory's head was trained with, for
         `task_cls` when that head is the one loaded (e.g. Longformer's
-        token classifier: no global token); the caller's settings win."""
+        token classifier: no global token), or that the task computes
+        with this kind of checkpoint (Longformer's question answering: the
+        question global); `task_kwargs`: the task's other arguments. The
+        caller's settings win."""
         return {}
 
     def held_model(self):

@@ -216,9 +216,17 @@ def test_longformer_question_answerer_packs_questions_as_roberta(tmp_path):
     assert start == first and features.token_starts[0][first] == 0
     assert context[features.token_starts[0][start] : features.token_ends[0][end]] == "Nobody"
     assert len(qa.predict_answers([question], [context])) == 1
-    # one token type: "first_segment" would make the context global too
+    # one token type: the question is what comes before the first </s>
+    # ("first_segment", by token type, would make the context global too)
     windowed = kbert.BertQuestionAnswerer.from_preset(tmp_path, attention_window=16)
-    assert windowed.backbone.get_config()["global_tokens"] == 1
+    config = windowed.backbone.get_config()
+    assert (config["global_tokens"], config["max_global_tokens"]) == ("before_separator", 66)
+    from kbert.layers.banded_attention import separator_rule_mask
+
+    ids = features.x["token_ids"]
+    glob = keras.ops.convert_to_numpy(separator_rule_mask("before_separator", ids, 2))[0]
+    question = theirs(question)["input_ids"]  # <s> question </s>
+    assert glob.sum() == len(question) - 1 and glob[: len(question) - 1].all()
 
 
 @pytest.mark.parametrize(
@@ -299,3 +307,112 @@ def test_longformer_lm_heads_kbert_would_compute_otherwise_are_refused(tmp_path,
     with pytest.raises(PresetError, match=match):
         kbert.BertMaskedLM.from_preset(tmp_path)
     assert kbert.BertBackbone.from_preset(tmp_path).num_layers == TINY["num_hidden_layers"]
+
+
+def _pairs(rows, length=29, seed=2):
+    """RoBERTa-packed pairs `<s> a </s></s> b </s>` (ids 0, 2; padding 1) of
+    ragged lengths: (token ids, padding mask)."""
+    rng = np.random.default_rng(seed)
+    ids = np.ones((rows, length), "int32")
+    for r in range(rows):
+        first, second = 2 + r % 5, 3 + (3 * r) % 11
+        words = rng.integers(3, TINY["vocab_size"], first + second)
+        row = [0, *words[:first], 2, 2, *words[first:], 2]
+        ids[r, : len(row)] = row
+    return ids, (ids != 1).astype("int32")
+
+
+@pytest.mark.parametrize("rule", ["before_separator", "after_separators"])
+def test_separator_rules_are_transformers_global_masks(rule):
+    """The separator rules give the global tokens transformers' Longformer
+    computes from `input_ids` (question answering: before the first `</s>`;
+    multiple choice: after the first `</s></s>`), on rows of one example and
+    on rows holding several (positions restart at each example)."""
+    from transformers.models.longformer.modeling_longformer import (
+        _compute_global_attention_mask,
+    )
+
+    from kbert.layers.banded_attention import separator_rule_mask
+
+    ids, padding = _pairs(6)
+    want = (
+        _compute_global_attention_mask(
+            torch.tensor(ids).long(), 2, before_sep_token=rule == "before_separator"
+        ).numpy()
+        * padding
+    )
+    got = keras.ops.convert_to_numpy(separator_rule_mask(rule, ids, 2)) * padding
+    np.testing.assert_array_equal(got, want)
+    assert 0 < want.sum() < padding.sum()
+    # two examples per row: the second's positions restart at 0
+    lengths = padding.sum(axis=1)
+    packed = np.ones((3, 2 * ids.shape[1]), "int32")
+    positions = np.zeros_like(packed)
+    expected = np.zeros_like(packed)
+    for r in range(3):
+        a, b = lengths[2 * r], lengths[2 * r + 1]
+        packed[r, :a], packed[r, a : a + b] = ids[2 * r, :a], ids[2 * r + 1, :b]
+        positions[r, :a], positions[r, a : a + b] = np.arange(a), np.arange(b)
+        expected[r, :a], expected[r, a : a + b] = want[2 * r, :a], want[2 * r + 1, :b]
+    got = keras.ops.convert_to_numpy(separator_rule_mask(rule, packed, 2, positions))
+    real = packed != 1
+    np.testing.assert_array_equal(got * real, expected)
+
+
+@pytest.mark.parametrize(
+    "architecture, task",
+    [
+        ("LongformerForQuestionAnswering", kbert.BertQuestionAnswerer),
+        ("LongformerForMultipleChoice", kbert.BertMultipleChoice),
+    ],
+)
+def test_longformer_span_and_choice_heads_load_with_their_global_rules(
+    tmp_path, architecture, task
+):
+    """Longformer question answering and multiple choice directories load
+    with their heads, and make global the tokens transformers' classes pick
+    from the token ids when given no `global_attention_mask` (the
+    question; each ending): transformers' outputs (fp32, 1e-5) on ragged
+    RoBERTa-packed pairs, in a call and in `predict`. From a plain
+    `LongformerModel` directory the task takes the same rule."""
+    config = transformers.LongformerConfig(**TINY)
+    torch.manual_seed(1)
+    reference = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():  # biases and norms away from their initial values
+        for name, p in reference.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path)
+    choice = task is kbert.BertMultipleChoice
+    ids, padding = _pairs(6 if choice else 4)
+    x = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": padding}
+    if choice:  # (B, N, T): 3 questions of 2 endings
+        x = {k: v.reshape(3, 2, -1) for k, v in x.items()}
+    with torch.no_grad():
+        out = reference(
+            input_ids=torch.tensor(x["token_ids"]).long(),
+            attention_mask=torch.tensor(x["padding_mask"]).long(),
+        )
+    model = task.from_preset(tmp_path, **({"num_choices": 2} if choice else {}))
+    rule = "after_separators" if choice else "before_separator"
+    assert model.backbone.get_config()["global_tokens"] == rule
+    assert model.backbone.get_config()["separator_token_id"] == 2
+    for got in (model(x), model.predict(x, batch_size=len(ids), verbose=0)):
+        got = harness.to_numpy(got)
+        if choice:
+            assert harness.max_abs_diff(got, out.logits.numpy()) <= 1e-5
+            continue
+        for name in ("start_logits", "end_logits"):
+            want = getattr(out, name).numpy()
+            assert harness.max_abs_diff(got[name] * padding, want * padding) <= 1e-5
+    # the rule matters: [CLS] alone gives other outputs
+    cls_only = task.from_preset(tmp_path, global_tokens=1, **({"num_choices": 2} if choice else {}))
+    other = harness.to_numpy(cls_only(x))
+    other = other if choice else other["start_logits"] * padding
+    want = out.logits.numpy() if choice else out.start_logits.numpy() * padding
+    assert harness.max_abs_diff(other, want) > 1e-3
+    # a LongformerModel directory: the task's rule, a fresh head
+    base = tmp_path / "base"
+    transformers.LongformerModel(config).save_pretrained(base)
+    fresh = task.from_preset(base, **({"num_choices": 2} if choice else {}))
+    assert fresh.backbone.get_config()["global_tokens"] == rule

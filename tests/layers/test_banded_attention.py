@@ -139,3 +139,23 @@ def test_window_mask_and_its_checks():
         check_window(3, 1)
     with pytest.raises(ValueError, match="global_tokens"):
         check_window(4, -1)
+    # the separator rules name what they need
+    with pytest.raises(ValueError, match="separator_token_id"):
+        check_window(4, "before_separator", 8)
+    with pytest.raises(ValueError, match="max_global_tokens"):
+        check_window(4, "after_separators", None, separator_token_id=2)
+    with pytest.raises(ValueError, match="separator_token_id must be"):
+        check_window(4, 1, separator_token_id=-2)
+    check_window(4, "before_separator", 8, separator_token_id=0)  # accepted
+    # `<s> q q </s></s> c </s> pad`: the question, then the ending
+    ids = np.array([[0, 5, 6, 2, 2, 7, 2, 1]], "int32")
+    padding = (ids != 1).astype("int32")
+    for rule, want in [
+        ("before_separator", [1, 1, 1, 0, 0, 0, 0, 0]),
+        ("after_separators", [0, 0, 0, 0, 0, 1, 1, 0]),
+    ]:
+        mask = window_mask(padding, 4, rule, max_global=4, token_ids=ids, separator_id=2)
+        got = keras.ops.convert_to_numpy(mask.global_tokens)[0].tolist()
+        assert got == want, rule
+    with pytest.raises(ValueError, match="separator id"):
+        window_mask(padding, 4, "before_separator", max_global=4, token_ids=ids)

@@ -230,9 +230,15 @@ def backbone_shapes_from_hf(shapes):
     return out
 
 
+EXTRA_DECODER = "mlm_head/extra_decoder_kernel"
+EXTRA_DECODER_HF = "cls.predictions.dense.weight"
+
+
 def head_weights(class_name, state):
     """{kbert head path: array} of the `class_name` head a (normalised)
-    transformers MobileBERT state dict holds, or None."""
+    transformers MobileBERT state dict holds, or None. A masked-LM head
+    over a table as wide as the hidden states holds an empty (0, V) extra
+    matrix in transformers and none in kbert."""
     task = hf.TASKS.get(class_name)
     if task is None or not task.heads:
         return None
@@ -242,6 +248,8 @@ def head_weights(class_name, state):
         if found is None:
             return None
         weights.update(found)
+    if EXTRA_DECODER in weights and not np.size(weights[EXTRA_DECODER]):
+        del weights[EXTRA_DECODER]
     return weights
 
 
@@ -257,7 +265,12 @@ class MobileBertLoader(hf.HuggingFaceLoader):
         return backbone_config_from_hf(self.hf_config, self.config_source)
 
     def held_shapes(self):
-        return backbone_shapes_from_hf(self._read_shapes())
+        shapes = backbone_shapes_from_hf(self._read_shapes())
+        if not _has_projection(self.backbone_config()):
+            # transformers keeps an `embedding_transformation` it never applies
+            # when the table is H wide and there is no trigram input
+            shapes = {k: v for k, v in shapes.items() if not k.startswith("embeddings/projection")}
+        return shapes
 
     def backbone_weights(self, config):
         weights = backbone_weights_from_hf(self.hf_state, config)
@@ -311,6 +324,9 @@ def export_state(model, task):
     if not task.pooler:  # transformers builds this model without one
         state = {k: v for k, v in state.items() if not k.startswith(prefix + "pooler.")}
     heads = {v.path: np.asarray(v.numpy(), dtype=np.float32) for v in model.weights}
+    if "mlm" in task.heads and EXTRA_DECODER not in heads:
+        # a table as wide as the hidden states: transformers' extra matrix is (0, V)
+        heads[EXTRA_DECODER] = np.zeros((0, backbone.vocabulary_size), np.float32)
     for head in task.heads:
         written = hf.write_table(HEADS[head], heads)
         state.update(written)

@@ -248,3 +248,35 @@ def test_packed_rows_keep_each_window_inside_its_example():
     assert batch["token_ids"].shape[0] < 8  # examples side by side
     packed = keras.ops.convert_to_numpy(model(batch, training=False))
     np.testing.assert_allclose(packed, alone[data.batches[0]], atol=1e-5)
+
+
+@pytest.mark.parametrize("trigram", [True, False])
+def test_table_as_wide_as_the_hidden_states(trigram, tmp_path):
+    """embedding_size == hidden_size: transformers keeps an
+    `embedding_transformation` it does not apply without the trigram input,
+    and an empty (0, V) extra decoder matrix; both directions load and
+    export with transformers' outputs."""
+    hf = _mobilebert(
+        tmp_path / "in",
+        transformers.MobileBertForMaskedLM,
+        embedding_size=32,
+        trigram_input=trigram,
+    )
+    model = kbert.BertMaskedLM.from_preset(tmp_path / "in")
+    assert (model.backbone.embedding_dim is None) == (not trigram)
+    x = {**harness.backbone_inputs(), "mask_positions": POSITIONS}
+
+    def compare(reference):
+        with torch.no_grad():
+            ref = reference(**_torch_inputs(x)).logits.numpy()
+        expected = np.take_along_axis(ref, POSITIONS[..., None], axis=1)
+        got = harness.to_numpy(model(x))["mlm_logits"]
+        assert np.max(np.abs(got - expected)) <= 1e-5
+
+    compare(hf)
+    export_to_huggingface(model, tmp_path / "out")
+    compare(transformers.MobileBertForMaskedLM.from_pretrained(tmp_path / "out").eval())
+    again = kbert.BertMaskedLM.from_preset(tmp_path / "out")
+    for a, b in zip(model.weights, again.weights):
+        if not a.path.startswith("pooler/"):  # transformers' masked LM has none
+            np.testing.assert_array_equal(harness.to_numpy(a), harness.to_numpy(b))

@@ -12,16 +12,20 @@ fused into kbert's one `key_value` projection), and its LM head is
 """
 
 import json
+import logging
 import os
 
 import numpy as np
 
 from kbert.convert import huggingface as hf
-from kbert.presets.io import PresetError
+from kbert.presets.io import PresetError, read_json
 from kbert.presets.loader import TaskHead, register_format
 from kbert.utils.files import save_safetensors
 
+logger = logging.getLogger("kbert")
+
 ENCODER = "encoder."
+GENERATION_CONFIG = "generation_config.json"
 DECODER = "decoder."  # + "bert." for the decoder's BERT, + "cls." for its head
 CROSS_QUERY = "crossattention.self.query"
 CROSS_KEY_VALUE = ("crossattention.self.key", "crossattention.self.value")
@@ -50,7 +54,7 @@ def _decoder_path(path):
     return None  # the pooler: a decoder has none
 
 
-def decoder_weights_from_hf(state, num_layers):
+def decoder_weights_from_hf(state, num_layers, source="the checkpoint"):
     """{kbert head path: array} of a bert2bert model (decoder embeddings,
     blocks with cross-attention, LM head) from a (normalised)
     `EncoderDecoderModel` state dict."""
@@ -58,6 +62,13 @@ def decoder_weights_from_hf(state, num_layers):
     bert = _under(decoder, "bert.")
     if not bert:
         raise PresetError("the checkpoint has no decoder.bert.* weights: not a BERT decoder")
+    # kbert's LM head multiplies by the decoder's token table: an untied one is refused
+    hf.check_tied_decoder(
+        {**decoder, **{"bert." + k: v for k, v in bert.items()}},
+        "cls.predictions.decoder.weight",
+        source,
+        prefix="bert.",
+    )
     weights, _ = hf.backbone_weights_from_hf(bert, num_layers)
     out = {_decoder_path(p): v for p, v in weights.items() if _decoder_path(p)}
 
@@ -260,24 +271,60 @@ class EncoderDecoderLoader(hf.HuggingFaceLoader):
     def task_head(self, task_cls, load_weights=True):
         if task_cls.__name__ != SEQ2SEQ_CLASS:
             return None
-        decoder = self._part_config("decoder")
         sizes = self.decoder_config()
-        config = {
-            "architecture": "bert2bert",
-            "decoder_config": sizes,
-            "start_token_id": self.hf_config.get("decoder_start_token_id"),
-            "end_token_id": self.hf_config.get("eos_token_id", decoder.get("eos_token_id")),
-            "pad_token_id": self.hf_config.get("pad_token_id", decoder.get("pad_token_id")) or 0,
-        }
+        config = {"architecture": "bert2bert", "decoder_config": sizes, **self._token_ids()}
         weights = None
         if load_weights:
-            weights = decoder_weights_from_hf(self.hf_state, sizes["num_layers"])
+            weights = decoder_weights_from_hf(self.hf_state, sizes["num_layers"], self.directory)
         return TaskHead(
             config, weights, source=f"Hugging Face decoder in {self.directory}", exact=True
         )
 
     def held_model(self):
         return SEQ2SEQ_CLASS, {}
+
+    def _token_ids(self):
+        """start, end and pad ids as transformers' `generate` finds them: the
+        directory's generation_config.json, then config.json, then the
+        decoder's config; the start is `decoder_start_token_id`, else the
+        `bos_token_id`. Of several end ids (a list), kbert stops at the first."""
+        sources = [self.hf_config, self._part_config("decoder")]
+        if os.path.isfile(os.path.join(self.directory, GENERATION_CONFIG)):
+            sources.insert(0, read_json(self.directory, GENERATION_CONFIG))
+
+        def first(*names):
+            for source in sources:
+                for name in names:
+                    if source.get(name) is not None:
+                        return source[name]
+            return None
+
+        ids = {
+            "start_token_id": first("decoder_start_token_id") or first("bos_token_id"),
+            "end_token_id": first("eos_token_id"),
+            "pad_token_id": first("pad_token_id") or 0,
+        }
+        if first("decoder_start_token_id") == 0:
+            ids["start_token_id"] = 0
+        end = ids["end_token_id"]
+        if isinstance(end, list):
+            if not end:
+                end = None
+            elif len(set(end)) > 1:
+                logger.warning(
+                    "%s: eos_token_id lists %s; kbert's generate ends a row at the first, %s "
+                    "(transformers at any of them)",
+                    self.directory,
+                    end,
+                    end[0],
+                )
+            ids["end_token_id"] = end[0] if end else None
+        for name, value in ids.items():
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise PresetError(f"{self.directory}: {name} must be a token id, got {value!r:.60}")
+        return ids
 
 
 register_format(EncoderDecoderLoader)

@@ -453,13 +453,36 @@ def _read_head(table, state):
     return read_table(table, lambda name, transposed: state[name].T if transposed else state[name])
 
 
-def head_weights(class_name, state):
+def check_tied_decoder(state, decoder, source="the checkpoint", prefix=None):
+    """Refuses a masked-LM decoder matrix `decoder` that is not the token
+    embedding table (an untied head, `tie_word_embeddings=False`): kbert's
+    masked-LM heads always multiply by the table, so reading such a head
+    would give other logits without a word."""
+    matrix = state.get(decoder)
+    if matrix is None:
+        return  # tied: transformers saves the table once
+    p = _prefix(state) if prefix is None else prefix
+    table = state.get(p + "embeddings.word_embeddings.weight")
+    if table is None or not np.array_equal(np.asarray(matrix), np.asarray(table)):
+        raise PresetError(
+            f"{source}: its LM head's decoder ({decoder}) is not the token embedding table "
+            "(untied), which kbert's masked-LM head always is; load the encoder "
+            "(BertBackbone) and train a new head"
+        )
+
+
+def head_weights(class_name, state, source="the checkpoint"):
     """{kbert head path: array} of the `class_name` head (e.g.
     "BertClassifier") a (normalised) Hugging Face state dict holds, or None."""
     task = TASKS.get(class_name)
     if task is None or not task.heads:
         return None
     style = "albert" if _is_albert(state) else "bert"
+    if "mlm" in task.heads:
+        decoder = (
+            "predictions.decoder.weight" if style == "albert" else "cls.predictions.decoder.weight"
+        )
+        check_tied_decoder(state, decoder, source)
     weights = {}
     for head in task.heads:
         found = _read_head(HEADS[style][head], state)
@@ -617,7 +640,9 @@ class HuggingFaceLoader(PresetLoader):
     def task_head(self, task_cls, load_weights=True):
         return TaskHead(
             _task_config(task_cls, self._style()),
-            head_weights(task_cls.__name__, self.hf_state) if load_weights else None,
+            head_weights(task_cls.__name__, self.hf_state, self.directory)
+            if load_weights
+            else None,
             source=f"Hugging Face head in {self.directory}",
             exact=True,
         )

@@ -234,7 +234,7 @@ EXTRA_DECODER = "mlm_head/extra_decoder_kernel"
 EXTRA_DECODER_HF = "cls.predictions.dense.weight"
 
 
-def head_weights(class_name, state):
+def head_weights(class_name, state, source="the checkpoint"):
     """{kbert head path: array} of the `class_name` head a (normalised)
     transformers MobileBERT state dict holds, or None. A masked-LM head
     over a table as wide as the hidden states holds an empty (0, V) extra
@@ -242,6 +242,8 @@ def head_weights(class_name, state):
     task = hf.TASKS.get(class_name)
     if task is None or not task.heads:
         return None
+    if "mlm" in task.heads:
+        hf.check_tied_decoder(state, "cls.predictions.decoder.weight", source)
     weights = {}
     for head in task.heads:
         found = hf._read_head(HEADS[head], state)
@@ -283,7 +285,9 @@ class MobileBertLoader(hf.HuggingFaceLoader):
     def task_head(self, task_cls, load_weights=True):
         return TaskHead(
             hf._task_config(task_cls, "bert"),
-            head_weights(task_cls.__name__, self.hf_state) if load_weights else None,
+            head_weights(task_cls.__name__, self.hf_state, self.directory)
+            if load_weights
+            else None,
             source=f"Hugging Face head in {self.directory}",
             exact=True,
         )

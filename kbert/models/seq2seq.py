@@ -250,6 +250,24 @@ class BertSeq2SeqLM(Task):
             end_token_id = int(tokenizer.sep_id)
         if architecture == "bert2bert":
             decoder_config = self._decoder_config(backbone, decoder_config)
+        # the generated ids are the decoder's
+        vocabulary = (decoder_config or {}).get("vocabulary_size", backbone.vocabulary_size)
+        for name, value in [
+            ("start_token_id", start_token_id),
+            ("end_token_id", end_token_id),
+            ("pad_token_id", pad_token_id),
+        ]:
+            if value is not None and (
+                not isinstance(value, (int, np.integer))
+                or isinstance(value, bool)
+                or not 0 <= value < vocabulary
+            ):
+                raise ValueError(
+                    f"{name} must be one token id (an int in [0, {vocabulary})), got {value!r}"
+                )
+        start_token_id, end_token_id, pad_token_id = (
+            None if v is None else int(v) for v in (start_token_id, end_token_id, pad_token_id)
+        )
         policy = backbone.get_layer("embeddings").dtype_policy
 
         # === Layers ===

@@ -289,3 +289,34 @@ def test_training_parity_with_transformers_for_30_steps(tmp_path):
         theirs.append(out.loss.item())
     assert theirs[-1] < theirs[0] - 0.5  # it learned something, so the steps were not no-ops
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("albert", [False, True])
+def test_untied_masked_lm_head_is_refused(tmp_path, albert):
+    """A masked-LM head whose decoder is not the token table
+    (`tie_word_embeddings=False`) cannot be kbert's tied head: loading it
+    as a masked LM or pre-trainer is refused with the reason, and the
+    encoder (and a classifier on it) still loads."""
+    common = dict(
+        vocab_size=60,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=20,
+        tie_word_embeddings=False,
+    )
+    if albert:
+        config = transformers.AlbertConfig(embedding_size=8, **common)
+        model = transformers.AlbertForMaskedLM(config)
+        decoder = model.predictions.decoder
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(**common))
+        decoder = model.cls.predictions.decoder
+    with torch.no_grad():
+        decoder.weight.add_(1.0)
+    model.save_pretrained(tmp_path)
+    for cls in (kbert.BertMaskedLM, kbert.BertPreTrainer):
+        with pytest.raises(PresetError, match="untied"):
+            cls.from_preset(tmp_path)
+    assert kbert.BertBackbone.from_preset(tmp_path).num_layers == 1
+    assert kbert.BertClassifier.from_preset(tmp_path, num_classes=2).num_classes == 2

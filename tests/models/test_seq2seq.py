@@ -1,3 +1,4 @@
+import json
 import os
 
 import keras
@@ -383,3 +384,38 @@ def test_new_cross_attention_learns_at_adams_rate():
         moved[epsilon] = float(np.median(np.abs(arr(query) - before))) / 1e-3
     assert moved[None] > 0.3, moved
     assert moved[1e-6] < 0.1, moved  # the stall the default avoids
+
+
+def test_transformers_token_ids_and_an_untied_head(tmp_path):
+    """The start, end and pad ids come from where transformers' `generate`
+    finds them: no `decoder_start_token_id` starts from the `bos_token_id`
+    (greedy ids as transformers'), a list of end ids ends at the first (with
+    a warning), and a decoder LM head that is not its token table (untied)
+    is refused rather than read as a tied one."""
+    hf, directory = hf_encoder_decoder(tmp_path, seed=3, end_bias=0.7, initializer_range=0.2)
+    config = json.loads((directory / "config.json").read_text())
+    config["decoder_start_token_id"], config["bos_token_id"] = None, 2
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").unlink(missing_ok=True)
+    m = kbert.BertSeq2SeqLM.from_preset(directory)
+    assert (m.start_token_id, m.end_token_id, m.pad_token_id) == (2, 3, 0)
+    x = seq2seq_inputs(batch=4, seed=1)
+    x = {k: x[k] for k in ("encoder_token_ids", "encoder_padding_mask")}
+    np.testing.assert_array_equal(
+        m.generate(x, max_length=10), hf_generate(hf, x, max_length=10, num_beams=1)
+    )
+    config["eos_token_id"] = [3, 5]
+    (directory / "config.json").write_text(json.dumps(config))
+    assert kbert.BertSeq2SeqLM.from_preset(directory).end_token_id == 3
+    with pytest.raises(ValueError, match="end_token_id must be one token id"):
+        kbert.BertSeq2SeqLM(m.backbone, end_token_id=[3, 5])
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hf.decoder.cls.predictions.decoder.weight = torch.nn.Parameter(
+            hf.decoder.bert.embeddings.word_embeddings.weight.clone() + 0.1
+        )
+    hf.config.decoder.tie_word_embeddings = False
+    hf.save_pretrained(tmp_path / "untied")
+    with pytest.raises(kbert.presets.PresetError, match="untied"):
+        kbert.BertSeq2SeqLM.from_preset(tmp_path / "untied")

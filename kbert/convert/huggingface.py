@@ -551,13 +551,32 @@ for _name, _task in TASKS.items():
         CLASS_OF_ARCHITECTURE.setdefault(architecture(_task, _albert), _name)
 
 
-def _task_config(task_cls, style):
+def _task_config(task_cls, style, hf_config=None):
     """Constructor arguments the checkpoint implies for `task_cls` (or the
-    nearest class it derives from that has a counterpart)."""
+    nearest class it derives from that has a counterpart); with the
+    directory's `hf_config`, the dropout before a classifier as
+    transformers' classes take it (`classifier_dropout`, else
+    `hidden_dropout_prob`; ALBERT's `classifier_dropout_prob`)."""
+    config = {}
     for cls in task_cls.__mro__:
         if cls.__name__ in TASKS:
-            return dict(TASKS[cls.__name__].config.get(style, {}))
-    return {}
+            config = dict(TASKS[cls.__name__].config.get(style, {}))
+            break
+    if hf_config is not None and "dropout" in getattr(task_cls, "config_names", ()):
+        names = ["classifier_dropout_prob"] if style == "albert" else []
+        names += ["classifier_dropout", "hidden_dropout_prob"]
+        for name in names:
+            rate = hf_config.get(name)
+            if rate is not None:
+                if (
+                    isinstance(rate, bool)
+                    or not isinstance(rate, (int, float))
+                    or not 0 <= rate < 1
+                ):
+                    raise PresetError(f"config.json: {name} must be in [0, 1), got {rate!r:.40}")
+                config["dropout"] = float(rate)
+                break
+    return config
 
 
 # --- the loader -------------------------------------------------------------
@@ -639,7 +658,7 @@ class HuggingFaceLoader(PresetLoader):
 
     def task_head(self, task_cls, load_weights=True):
         return TaskHead(
-            _task_config(task_cls, self._style()),
+            _task_config(task_cls, self._style(), self.hf_config),
             head_weights(task_cls.__name__, self.hf_state, self.directory)
             if load_weights
             else None,

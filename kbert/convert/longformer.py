@@ -289,7 +289,7 @@ class LongformerLoader(hf.HuggingFaceLoader):
         if load_weights:
             weights = head_weights(task_cls, self.hf_config, self.hf_state, self.directory)
         return TaskHead(
-            hf._task_config(task_cls, "bert"),
+            hf._task_config(task_cls, "bert", self.hf_config),
             weights,
             source=f"Hugging Face head in {self.directory}",
             exact=True,

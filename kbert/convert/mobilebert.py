@@ -284,7 +284,7 @@ class MobileBertLoader(hf.HuggingFaceLoader):
 
     def task_head(self, task_cls, load_weights=True):
         return TaskHead(
-            hf._task_config(task_cls, "bert"),
+            hf._task_config(task_cls, "bert", self.hf_config),
             head_weights(task_cls.__name__, self.hf_state, self.directory)
             if load_weights
             else None,

@@ -320,3 +320,43 @@ def test_untied_masked_lm_head_is_refused(tmp_path, albert):
             cls.from_preset(tmp_path)
     assert kbert.BertBackbone.from_preset(tmp_path).num_layers == 1
     assert kbert.BertClassifier.from_preset(tmp_path, num_classes=2).num_classes == 2
+
+
+@pytest.mark.parametrize(
+    "kind, settings, rate",
+    [
+        ("bert", {}, 0.1),
+        ("bert", {"hidden_dropout_prob": 0.0}, 0.0),
+        ("bert", {"classifier_dropout": 0.3}, 0.3),
+        ("albert", {"classifier_dropout_prob": 0.2}, 0.2),
+        ("mobilebert", {}, 0.0),  # MobileBertConfig's hidden_dropout_prob
+    ],
+)
+def test_classifier_dropout_follows_the_checkpoint_config(tmp_path, kind, settings, rate):
+    """The dropout before a classifier is the one transformers' classes take
+    from the config (`classifier_dropout`, else `hidden_dropout_prob`;
+    ALBERT's `classifier_dropout_prob`), for every task with one, and it
+    stays through a preset round trip."""
+    sizes = dict(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    if kind == "bert":
+        config = transformers.BertConfig(intermediate_size=20, **sizes, **settings)
+        transformers.BertModel(config).save_pretrained(tmp_path / "in")
+    elif kind == "albert":
+        config = transformers.AlbertConfig(embedding_size=8, intermediate_size=20, **sizes)
+        config.update(settings)
+        transformers.AlbertModel(config).save_pretrained(tmp_path / "in")
+    else:
+        config = transformers.MobileBertConfig(
+            embedding_size=8, intra_bottleneck_size=8, intermediate_size=20, **sizes
+        )
+        transformers.MobileBertModel(config).save_pretrained(tmp_path / "in")
+    models = [
+        kbert.BertClassifier.from_preset(tmp_path / "in", num_classes=2),
+        kbert.BertTokenClassifier.from_preset(tmp_path / "in", num_classes=3),
+        kbert.BertMultipleChoice.from_preset(tmp_path / "in", num_choices=2),
+    ]
+    for model in models:
+        assert model.get_layer("classifier_dropout").rate == pytest.approx(rate)
+    models[0].save_to_preset(tmp_path / "out")
+    again = kbert.BertClassifier.from_preset(tmp_path / "out")
+    assert again.get_layer("classifier_dropout").rate == pytest.approx(rate)

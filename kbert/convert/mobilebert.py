@@ -276,6 +276,18 @@ class MobileBertLoader(hf.HuggingFaceLoader):
 
     def backbone_weights(self, config):
         weights = backbone_weights_from_hf(self.hf_state, config)
+        pad = self.hf_config.get("pad_token_id", 0)
+        table = weights["embeddings/token_embedding/embeddings"]
+        if config["trigram_input"] and isinstance(pad, int) and 0 <= pad < len(table):
+            if np.any(table[pad]):
+                hf.logger.warning(
+                    "%s: the [PAD] embedding (row %d) is not zero: a row's last token sees it "
+                    "as its next neighbour where the row is padded and zeros where it is not, "
+                    "in transformers too, so outputs depend on how far a row is padded (kbert's "
+                    "length buckets cut padding)",
+                    self.directory,
+                    pad,
+                )
         if config["pooler_activation"] and "pooler/dense/kernel" not in weights:
             hf.logger.warning(
                 "%s has no pooler weights; the pooler is freshly initialised", self.directory

@@ -280,3 +280,18 @@ def test_table_as_wide_as_the_hidden_states(trigram, tmp_path):
     for a, b in zip(model.weights, again.weights):
         if not a.path.startswith("pooler/"):  # transformers' masked LM has none
             np.testing.assert_array_equal(harness.to_numpy(a), harness.to_numpy(b))
+
+
+def test_a_non_zero_pad_embedding_is_named(tmp_path, caplog):
+    """With the 3-token window, a non-zero [PAD] row makes outputs depend on
+    how far a row is padded (transformers' too): loading says so."""
+    hf = _mobilebert(tmp_path, transformers.MobileBertModel)
+    with caplog.at_level("WARNING", logger="kbert"):
+        kbert.MobileBertBackbone.from_preset(tmp_path)
+    assert "[PAD] embedding" not in caplog.text  # transformers keeps it at zero
+    with torch.no_grad():
+        hf.embeddings.word_embeddings.weight[0] = 0.5
+    hf.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="kbert"):
+        kbert.MobileBertBackbone.from_preset(tmp_path)
+    assert "[PAD] embedding (row 0) is not zero" in caplog.text

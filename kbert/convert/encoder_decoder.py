@@ -249,7 +249,9 @@ class EncoderDecoderLoader(hf.HuggingFaceLoader):
 
     def decoder_config(self):
         """The bert2bert decoder's sizes, kbert names."""
-        config = hf.backbone_config_from_hf(self._part_config("decoder"), self.config_source)
+        config = hf.backbone_config_from_hf(
+            self._part_config("decoder"), self.config_source, decoder=True
+        )
         encoder = hf.backbone_config_from_hf(self._part_config("encoder"), self.config_source)
         defaults = {
             "max_sequence_length": 512,

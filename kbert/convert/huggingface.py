@@ -62,7 +62,10 @@ ALBERT_DEFAULTS = {
 }
 
 
-def backbone_config_from_hf(hf_config, source="config.json"):
+def backbone_config_from_hf(hf_config, source="config.json", decoder=False):
+    """The `BertBackbone` config of a transformers BERT or ALBERT config;
+    `decoder`: the config of an encoder-decoder's decoder (causal, with
+    cross-attention), which `kbert.convert.encoder_decoder` builds."""
     model_type = hf_config.get("model_type")
     if model_type not in ("bert", "albert"):
         raise PresetError(
@@ -79,6 +82,13 @@ def backbone_config_from_hf(hf_config, source="config.json"):
                     "inner_group_num=1, as in the released ALBERT models); other layer "
                     "groupings cannot be loaded"
                 )
+    if not decoder and (hf_config.get("is_decoder") or hf_config.get("add_cross_attention")):
+        raise PresetError(
+            f"{source} describes a decoder (is_decoder / add_cross_attention: causal "
+            "self-attention, cross-attention blocks), which kbert's BertBackbone and its tasks "
+            "are not (their attention sees both sides); load an encoder-decoder directory "
+            "with kbert.BertSeq2SeqLM"
+        )
     position_type = hf_config.get("position_embedding_type", "absolute")
     if position_type != "absolute":
         raise PresetError(
@@ -378,6 +388,34 @@ def backbone_weights_from_hf(state, num_layers):
     return w, used
 
 
+# buffers transformers saves beside the weights
+_BUFFERS = re.compile(r"(^|\.)(position_ids|token_type_ids)$")
+# the heads of transformers' BERT and ALBERT task classes, beside the encoder
+HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.", "predictions.", "sop_classifier.")
+_LAYER = re.compile(r"encoder\.layer\.(\d+)\.")
+
+
+def unread_encoder_tensors(state, used, num_layers):
+    """The encoder's tensors (under the state's prefix, not a head's) that
+    `backbone_weights_from_hf` did not read (`used`): e.g. cross-attention
+    blocks or relative-position tables, which would change what the model
+    computes. Layers past `num_layers` are left out (a config that asks for
+    fewer layers than the checkpoint holds is warned about where it is read)."""
+    p = _prefix(state)
+    unread = []
+    for name in state:
+        if name in used or not name.startswith(p) or _BUFFERS.search(name):
+            continue
+        rest = name[len(p) :]
+        if not p and rest.startswith(HEAD_PREFIXES):
+            continue
+        layer = _LAYER.match(rest)
+        if layer is not None and int(layer.group(1)) >= num_layers:
+            continue
+        unread.append(name)
+    return sorted(unread)
+
+
 def backbone_state_to_hf(backbone, prefix=""):
     """kbert backbone weights -> Hugging Face BertModel names, or AlbertModel
     names for a backbone with `embedding_dim` and `share_layers` (numpy)."""
@@ -643,7 +681,16 @@ class HuggingFaceLoader(PresetLoader):
             )
 
     def backbone_weights(self, config):
-        weights, _ = backbone_weights_from_hf(self.hf_state, config["num_layers"])
+        weights, used = backbone_weights_from_hf(self.hf_state, config["num_layers"])
+        unread = unread_encoder_tensors(self.hf_state, used, config["num_layers"])
+        if unread:
+            shown = ", ".join(unread[:4]) + (
+                f", ... ({len(unread)} in all)" if len(unread) > 4 else ""
+            )
+            raise PresetError(
+                f"{self.directory}: the encoder's weights hold tensors kbert's BERT has no place "
+                f"for ({shown}); the checkpoint is not the model its config describes"
+            )
         if "pooler/dense/kernel" not in weights:
             logger.warning(
                 "%s has no pooler weights; the pooler is freshly initialised", self.directory

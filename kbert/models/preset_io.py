@@ -8,6 +8,7 @@ presets (backbone files + the head's `task.json` and `task.safetensors`).
 """
 
 import contextlib
+import inspect
 import logging
 import os
 
@@ -298,7 +299,9 @@ def load_task(cls, directory, load_weights=True, **kwargs):
             # a backbone loaded for longer (or shorter) inputs packs rows of its length
             kwargs["preprocessor"].sequence_length = backbone.max_sequence_length
     _check_preprocessor(kwargs["preprocessor"], backbone, directory)
-    model = cls(backbone=backbone, **{**(head.config if head else {}), **kwargs})
+    arguments = {**(head.config if head else {}), **kwargs}
+    _fill_head_size(cls, arguments, loader, directory)
+    model = cls(backbone=backbone, **arguments)
     apply_quantization(model, head.quantized if head else None, f"{directory}/{TASK_CONFIG_FILE}")
     if head is None or head.weights is None:
         if load_weights:
@@ -320,6 +323,30 @@ def load_task(cls, directory, load_weights=True, **kwargs):
         weights = {p: v for p, v in weights.items() if p in wanted}
     assign_weights(model, weights, source=head.source, paths=paths)
     return model
+
+
+# constructor arguments that size a task's head
+HEAD_SIZES = ("num_classes", "num_choices")
+
+
+def _fill_head_size(cls, arguments, loader, directory):
+    """`num_classes` (or `num_choices`) a task needs and the caller left
+    out: from the directory's head of this class where it holds one (a
+    transformers classifier's label count), else a clear error naming it."""
+    signature = inspect.signature(cls.__init__).parameters
+    for name in HEAD_SIZES:
+        if name not in signature or name in arguments:
+            continue
+        if signature[name].default is not inspect.Parameter.empty:
+            continue
+        held_name, held = loader.held_model()
+        if held_name == cls.__name__ and name in held:
+            arguments[name] = held[name]
+            continue
+        raise ValueError(
+            f"{cls.__name__}.from_preset({str(directory)!r}) needs {name}=<int>: the directory "
+            f"holds no {cls.__name__} head to read it from"
+        )
 
 
 def held_model(directory):

@@ -360,3 +360,64 @@ def test_classifier_dropout_follows_the_checkpoint_config(tmp_path, kind, settin
     models[0].save_to_preset(tmp_path / "out")
     again = kbert.BertClassifier.from_preset(tmp_path / "out")
     assert again.get_layer("classifier_dropout").rate == pytest.approx(rate)
+
+
+def test_decoders_and_unread_encoder_tensors_are_refused(tmp_path):
+    """A causal BERT (`is_decoder`) is not kbert's bidirectional backbone,
+    and encoder tensors kbert has no place for (a relative-position table,
+    cross-attention) would change what the checkpoint computes: both are
+    refused with the reason instead of loading something else. Buffers,
+    heads and layers past a shorter config's depth still load."""
+    from safetensors.numpy import load_file, save_file
+
+    sizes = dict(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2)
+    config = transformers.BertConfig(intermediate_size=20, is_decoder=True, **sizes)
+    transformers.BertModel(config).save_pretrained(tmp_path / "decoder")
+    with pytest.raises(PresetError, match="describes a decoder"):
+        kbert.BertBackbone.from_preset(tmp_path / "decoder")
+
+    config = transformers.BertConfig(intermediate_size=20, **sizes)
+    transformers.BertModel(config).save_pretrained(tmp_path / "encoder")
+    weights = tmp_path / "encoder" / "model.safetensors"
+    clean = load_file(weights)
+    extra = {
+        "encoder.layer.0.attention.self.distance_embedding.weight": np.ones((7, 8), "float32"),
+        "embeddings.position_ids": np.arange(512)[None],  # a buffer older versions saved
+    }
+    save_file({**clean, **extra}, weights, metadata={"format": "pt"})
+    with pytest.raises(PresetError, match="distance_embedding"):
+        kbert.BertBackbone.from_preset(tmp_path / "encoder")
+    save_file({**clean, "embeddings.position_ids": extra["embeddings.position_ids"]}, weights)
+    assert kbert.BertBackbone.from_preset(tmp_path / "encoder").num_layers == 2
+    config_file = tmp_path / "encoder" / "config.json"
+    config_file.write_text(
+        config_file.read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 1')
+    )
+    assert kbert.BertBackbone.from_preset(tmp_path / "encoder").num_layers == 1  # a warning
+
+    classifier = transformers.BertForSequenceClassification(config)
+    classifier.save_pretrained(tmp_path / "classifier")
+    assert kbert.BertClassifier.from_preset(tmp_path / "classifier", num_classes=2)
+
+
+def test_head_size_is_read_from_the_directory_or_asked_for(tmp_path):
+    """`num_classes` left out: a transformers classifier directory gives its
+    label count (its head then loads), a directory without such a head
+    raises an error naming the argument (not a TypeError from the
+    constructor)."""
+    config = transformers.BertConfig(
+        vocab_size=60,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=20,
+        num_labels=7,
+    )
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path / "classifier")
+    transformers.BertForTokenClassification(config).save_pretrained(tmp_path / "tagger")
+    assert kbert.BertClassifier.from_preset(tmp_path / "classifier").num_classes == 7
+    assert kbert.BertTokenClassifier.from_preset(tmp_path / "tagger").num_classes == 7
+    with pytest.raises(ValueError, match="needs num_classes"):
+        kbert.BertClassifier.from_preset(tmp_path / "tagger")
+    with pytest.raises(ValueError, match="needs num_choices"):
+        kbert.BertMultipleChoice.from_preset(tmp_path / "classifier")

@@ -63,12 +63,7 @@ def decoder_weights_from_hf(state, num_layers, source="the checkpoint"):
     if not bert:
         raise PresetError("the checkpoint has no decoder.bert.* weights: not a BERT decoder")
     # kbert's LM head multiplies by the decoder's token table: an untied one is refused
-    hf.check_tied_decoder(
-        {**decoder, **{"bert." + k: v for k, v in bert.items()}},
-        "cls.predictions.decoder.weight",
-        source,
-        prefix="bert.",
-    )
+    hf.check_tied_decoder(decoder, "cls.predictions.decoder.weight", source, prefix="bert.")
     weights, _ = hf.backbone_weights_from_hf(bert, num_layers)
     out = {_decoder_path(p): v for p, v in weights.items() if _decoder_path(p)}
 

@@ -66,6 +66,20 @@ def _masked(a, x):
     return np.asarray(a) * x["padding_mask"][..., None]
 
 
+def _task_reference(directory, architecture, **kwargs):
+    """A random transformers Longformer task model saved to `directory`,
+    its biases and norms away from their initial values."""
+    config = transformers.LongformerConfig(**TINY, **kwargs)
+    torch.manual_seed(1)
+    reference = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    reference.save_pretrained(directory)
+    return reference
+
+
 @pytest.fixture(scope="module")
 def longformer(tmp_path_factory):
     directory = tmp_path_factory.mktemp("longformer")
@@ -247,14 +261,7 @@ def test_longformer_task_directories_load_with_their_heads(
     model (class and classes) is read from config.json."""
     from kbert.models.preset_io import held_model
 
-    config = transformers.LongformerConfig(**TINY, num_labels=5)
-    torch.manual_seed(1)
-    reference = getattr(transformers, architecture)(config).eval()
-    with torch.no_grad():  # biases and norms away from their initial values
-        for name, p in reference.named_parameters():
-            if p.ndim == 1:
-                p.add_(0.2 * torch.randn_like(p))
-    reference.save_pretrained(tmp_path)
+    reference = _task_reference(tmp_path, architecture, num_labels=5)
     x = _inputs()
     with torch.no_grad():
         want = reference(
@@ -375,14 +382,8 @@ def test_longformer_span_and_choice_heads_load_with_their_global_rules(
     question; each ending): transformers' outputs (fp32, 1e-5) on ragged
     RoBERTa-packed pairs, in a call and in `predict`. From a plain
     `LongformerModel` directory the task takes the same rule."""
-    config = transformers.LongformerConfig(**TINY)
-    torch.manual_seed(1)
-    reference = getattr(transformers, architecture)(config).eval()
-    with torch.no_grad():  # biases and norms away from their initial values
-        for name, p in reference.named_parameters():
-            if p.ndim == 1:
-                p.add_(0.2 * torch.randn_like(p))
-    reference.save_pretrained(tmp_path)
+    reference = _task_reference(tmp_path, architecture)
+    config = reference.config
     choice = task is kbert.BertMultipleChoice
     ids, padding = _pairs(6 if choice else 4)
     x = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": padding}

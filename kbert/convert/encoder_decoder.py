@@ -296,13 +296,13 @@ class EncoderDecoderLoader(hf.HuggingFaceLoader):
                         return source[name]
             return None
 
+        start = first("decoder_start_token_id")
+        pad = first("pad_token_id")
         ids = {
-            "start_token_id": first("decoder_start_token_id") or first("bos_token_id"),
+            "start_token_id": first("bos_token_id") if start is None else start,
             "end_token_id": first("eos_token_id"),
-            "pad_token_id": first("pad_token_id") or 0,
+            "pad_token_id": 0 if pad is None else pad,
         }
-        if first("decoder_start_token_id") == 0:
-            ids["start_token_id"] = 0
         end = ids["end_token_id"]
         if isinstance(end, list):
             if not end:

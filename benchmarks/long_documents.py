@@ -71,6 +71,12 @@ def parse_args(argv):
     p.add_argument("--long-length", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--chunk-pooling", choices=("mean", "max"), default="mean")
+    p.add_argument(
+        "--global-projections",
+        action="store_true",
+        help="window: separate global query/key/value projections (Longformer's), "
+        "copied from the local ones",
+    )
     p.add_argument("--attention-dropout", type=float, default=0.1)
     p.add_argument("--dtype", default=None, help="e.g. mixed_bfloat16 on a GPU")
     p.add_argument(
@@ -197,7 +203,11 @@ def build(system, args, preset):
             args.short_length, model.backbone.max_sequence_length
         )
     else:
-        window = {"attention_window": args.window} if system == "window" else {}
+        window = {}
+        if system == "window":
+            window = {"attention_window": args.window}
+            if args.global_projections:
+                window["global_projections"] = True
         model = kbert.BertClassifier.from_preset(
             preset, max_sequence_length=args.long_length, **window, **common
         )
@@ -238,6 +248,7 @@ def run(system, args, preset, data, seed):
         "backbone": {
             "max_sequence_length": model.backbone.max_sequence_length,
             "attention_window": model.backbone.attention_window,
+            "global_projections": bool(getattr(model.backbone, "global_projections", False)),
             "sequence_length": model.preprocessor.sequence_length,
         },
         "best_epoch": best + 1,

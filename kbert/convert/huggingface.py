@@ -313,6 +313,24 @@ HEADS = {
         **_TASK_HEADS,
     },
 }
+# transformers' *ForNextSentencePrediction (BERT, MobileBERT): the pooled [CLS]
+# through `cls.seq_relationship` to 2 logits, no dropout before it: the
+# computation of a 2-class `BertClassifier`, which such directories load as
+# (and export back as *ForSequenceClassification, the same logits).
+NEXT_SENTENCE_AS_CLASSIFIER = [("cls.seq_relationship", "logits", "linear")]
+
+
+def is_next_sentence_directory(hf_config):
+    """Whether a config.json's first architecture is a *ForNextSentencePrediction."""
+    architectures = hf_config.get("architectures")
+    return (
+        isinstance(architectures, list)
+        and bool(architectures)
+        and isinstance(architectures[0], str)
+        and architectures[0].endswith("ForNextSentencePrediction")
+    )
+
+
 # transformers' BertForMaskedLM ties its decoder's bias to cls.predictions.bias;
 # written under both names for its loader, read from the first.
 WRITTEN_TWICE = {"cls.predictions.bias": "cls.predictions.decoder.bias"}
@@ -703,7 +721,42 @@ class HuggingFaceLoader(PresetLoader):
     def _style(self):
         return "albert" if self.hf_config.get("model_type") == "albert" else "bert"
 
+    def next_sentence_head(self, task_cls, load_weights=True):
+        """The head of a *ForNextSentencePrediction directory for a
+        `BertClassifier` (or a class derived from it): `cls.seq_relationship`
+        as its 2-class head, no dropout before it (transformers has none);
+        None for other directories or classes."""
+        if not is_next_sentence_directory(self.hf_config) or not any(
+            c.__name__ == "BertClassifier" for c in task_cls.__mro__
+        ):
+            return None
+        config = _task_config(task_cls, "bert")
+        if "dropout" in getattr(task_cls, "config_names", ()):
+            config["dropout"] = 0.0
+        return TaskHead(
+            config,
+            _read_head(NEXT_SENTENCE_AS_CLASSIFIER, self.hf_state) if load_weights else None,
+            source=f"Hugging Face next-sentence head in {self.directory}",
+            exact=True,
+        )
+
+    def next_sentence_model(self):
+        """held_model() of a *ForNextSentencePrediction directory, else None."""
+        if not is_next_sentence_directory(self.hf_config):
+            return None
+        head = tensors(NEXT_SENTENCE_AS_CLASSIFIER)[0][0]
+        shape = self._read_shapes().get(head)
+        if shape is None or len(shape) != 2:
+            raise PresetError(
+                f"{self.directory} is a {self.hf_config['architectures'][0]} without a "
+                f"{head} matrix"
+            )
+        return "BertClassifier", {"num_classes": int(shape[0])}
+
     def task_head(self, task_cls, load_weights=True):
+        head = self.next_sentence_head(task_cls, load_weights)
+        if head is not None:
+            return head
         return TaskHead(
             _task_config(task_cls, self._style(), self.hf_config),
             head_weights(task_cls.__name__, self.hf_state, self.directory)
@@ -719,6 +772,9 @@ class HuggingFaceLoader(PresetLoader):
         architectures = self.hf_config.get("architectures") or ["BertModel"]
         if not isinstance(architectures, list) or not isinstance(architectures[0], str):
             raise PresetError(f"{self.config_source}: architectures must be a list of names")
+        held = self.next_sentence_model()
+        if held is not None:
+            return held
         name = CLASS_OF_ARCHITECTURE.get(architectures[0], "BertBackbone")
         task = TASKS[name]
         if not task.num_labels:

@@ -295,6 +295,9 @@ class MobileBertLoader(hf.HuggingFaceLoader):
         return weights
 
     def task_head(self, task_cls, load_weights=True):
+        head = self.next_sentence_head(task_cls, load_weights)
+        if head is not None:
+            return head
         return TaskHead(
             hf._task_config(task_cls, "bert", self.hf_config),
             head_weights(task_cls.__name__, self.hf_state, self.directory)
@@ -308,6 +311,9 @@ class MobileBertLoader(hf.HuggingFaceLoader):
         architectures = self.hf_config.get("architectures") or ["MobileBertModel"]
         if not isinstance(architectures, list) or not isinstance(architectures[0], str):
             raise PresetError(f"{self.config_source}: architectures must be a list of names")
+        held = self.next_sentence_model()
+        if held is not None:
+            return held
         name = CLASS_OF_ARCHITECTURE.get(architectures[0], "BertBackbone")
         task = hf.TASKS[name]
         if not task.num_labels:

@@ -421,3 +421,29 @@ def test_head_size_is_read_from_the_directory_or_asked_for(tmp_path):
         kbert.BertClassifier.from_preset(tmp_path / "tagger")
     with pytest.raises(ValueError, match="needs num_choices"):
         kbert.BertMultipleChoice.from_preset(tmp_path / "classifier")
+
+
+def test_next_sentence_directory_loads_as_a_pair_classifier(tmp_path):
+    """A `BertForNextSentencePrediction` directory is a 2-class
+    `BertClassifier` (pooled [CLS] -> `cls.seq_relationship`, no dropout
+    before it): its logits on sentence pairs are transformers' (1e-5), with
+    `num_classes` read from the head; it exports as a
+    `BertForSequenceClassification` with the same logits. A pre-training
+    directory's NSP head is not taken as a classifier."""
+    hf, directory = _hf_model(tmp_path, cls=transformers.BertForNextSentencePrediction)
+    model = kbert.BertClassifier.from_preset(directory)
+    assert model.num_classes == 2
+    assert model.get_layer("classifier_dropout").rate == 0.0
+    x = harness.backbone_inputs(batch=3, length=10, vocabulary_size=99)
+    ref = _hf_forward(hf, x).logits.numpy()
+    assert np.max(np.abs(harness.to_numpy(model(x)) - ref)) <= 1e-5
+    kbert.convert.huggingface.export_to_huggingface(model, tmp_path / "out")
+    exported = transformers.BertForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert np.max(np.abs(_hf_forward(exported.eval(), x).logits.numpy() - ref)) <= 1e-5
+    with pytest.raises(ValueError, match=r"logits/kernel: expected \(32, 3\), got \(32, 2\)"):
+        kbert.BertClassifier.from_preset(directory, num_classes=3)
+
+    _, pretraining = _hf_model(tmp_path / "pt", cls=transformers.BertForPreTraining)
+    fresh = kbert.BertClassifier.from_preset(pretraining, num_classes=2)
+    head = harness.to_numpy(fresh.get_layer("logits").kernel)
+    assert not np.allclose(head, harness.to_numpy(model.get_layer("logits").kernel))

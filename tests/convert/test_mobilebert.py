@@ -295,3 +295,23 @@ def test_a_non_zero_pad_embedding_is_named(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="kbert"):
         kbert.MobileBertBackbone.from_preset(tmp_path)
     assert "[PAD] embedding (row 0) is not zero" in caplog.text
+
+
+def test_next_sentence_directory_loads_as_a_pair_classifier(tmp_path):
+    """A `MobileBertForNextSentencePrediction` directory loads as a 2-class
+    `BertClassifier` (`num_classes` read from its head, no dropout before
+    it) with transformers' logits on sentence pairs, and exports as a
+    `MobileBertForSequenceClassification` with the same logits."""
+    hf = _mobilebert(tmp_path / "in", transformers.MobileBertForNextSentencePrediction)
+    model = kbert.BertClassifier.from_preset(tmp_path / "in")
+    assert model.num_classes == 2
+    assert model.get_layer("classifier_dropout").rate == 0.0
+    x = harness.backbone_inputs()
+    with torch.no_grad():
+        ref = hf(**_torch_inputs(x)).logits.numpy()
+    assert np.max(np.abs(harness.to_numpy(model(x)) - ref)) <= 1e-5
+    export_to_huggingface(model, tmp_path / "out")
+    exported = transformers.MobileBertForSequenceClassification.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        again = exported.eval()(**_torch_inputs(x)).logits.numpy()
+    assert np.max(np.abs(again - ref)) <= 1e-5

@@ -444,7 +444,8 @@ class BertSeq2SeqLM(Task):
                 batch_size=kwargs.pop("batch_size", None) or 32,
                 shuffle=kwargs.pop("shuffle", True),
                 multiple=LENGTH_MULTIPLE,
-                seed=int(np.random.default_rng().integers(1 << 31)),
+                # the global generator, seeded by keras.utils.set_random_seed
+                seed=int(np.random.randint(1 << 31)),
             )
             y = None
         return super().fit(x, y, *args, **kwargs)

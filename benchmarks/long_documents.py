@@ -77,6 +77,13 @@ def parse_args(argv):
         help="window: separate global query/key/value projections (Longformer's), "
         "copied from the local ones",
     )
+    p.add_argument(
+        "--pooling",
+        default="pooled",
+        choices=("pooled", "cls", "mean", "max"),
+        help="truncate, full, window: what the classifier reads (BertClassifier's `pooling`: "
+        "the pooled [CLS], or the mean or maximum of the token vectors)",
+    )
     p.add_argument("--attention-dropout", type=float, default=0.1)
     p.add_argument("--dtype", default=None, help="e.g. mixed_bfloat16 on a GPU")
     p.add_argument(
@@ -188,7 +195,7 @@ def build(system, args, preset):
     if args.dtype:
         common["dtype"] = args.dtype
     if system == "truncate":
-        model = kbert.BertClassifier.from_preset(preset, **common)
+        model = kbert.BertClassifier.from_preset(preset, pooling=args.pooling, **common)
         model.preprocessor.sequence_length = min(
             args.short_length, model.backbone.max_sequence_length
         )
@@ -209,7 +216,7 @@ def build(system, args, preset):
             if args.global_projections:
                 window["global_projections"] = True
         model = kbert.BertClassifier.from_preset(
-            preset, max_sequence_length=args.long_length, **window, **common
+            preset, max_sequence_length=args.long_length, pooling=args.pooling, **window, **common
         )
     return model
 
@@ -250,6 +257,7 @@ def run(system, args, preset, data, seed):
             "attention_window": model.backbone.attention_window,
             "global_projections": bool(getattr(model.backbone, "global_projections", False)),
             "sequence_length": model.preprocessor.sequence_length,
+            "pooling": getattr(model, "pooling", None),
         },
         "best_epoch": best + 1,
         "test_at_best_dev": epochs[best]["test"],

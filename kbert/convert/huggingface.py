@@ -887,6 +887,12 @@ def export_to_huggingface(model, directory, preprocessor=None):
     if name not in TASKS:
         raise ValueError(f"{name} has no Hugging Face counterpart; export its backbone instead")
     task = TASKS[name]
+    if name == "BertClassifier" and getattr(model, "pooling", "pooled") != "pooled":
+        raise ValueError(
+            f"{model.name} classifies from pooling={model.pooling!r} of the token vectors; "
+            "transformers' BertForSequenceClassification reads the pooled [CLS] only "
+            "(pooling='pooled'); save it as a kbert preset (save_to_preset) instead"
+        )
     from kbert.layers.quantization import quantized_layers
 
     quantized = quantized_layers(model)

@@ -8,13 +8,17 @@ import numpy as np
 from keras import ops
 
 from kbert.models.task import Task
+from kbert.models.text_embedder import TokenPooling
 from kbert.training import batching
 from kbert.utils import checks
+
+POOLINGS = ("pooled", "cls", "mean", "max")
 
 
 @keras.saving.register_keras_serializable(package="kbert")
 class BertClassifier(Task):
-    """Sequence classification (and regression) from the pooled [CLS] output.
+    """Sequence classification (and regression) from the pooled [CLS] output
+    (the paper's head), or from the mean or maximum of the token vectors.
 
     `fit`, `evaluate` and `predict` take raw strings, `(texts, pairs)` tuples
     or tf.data datasets of them when a preprocessor is attached (presets
@@ -28,6 +32,14 @@ class BertClassifier(Task):
         freeze_backbone: False, True (train the head only: feature-based
             use) or "adapters" (train adapters, LayerNorms and the head; the
             backbone needs `adapter_size`).
+        pooling: str. what the classifier reads: "pooled" (the paper's:
+            the backbone's pooler over [CLS]), "cls" (the [CLS] vector
+            itself), "mean" or "max" over the real tokens' last-layer
+            vectors (padding excluded). "mean" is how sentence-transformers
+            checkpoints (e.g. all-MiniLM-L6-v2) were trained to be read;
+            "max" lets a label decided by a few tokens anywhere in a long
+            input reach the head directly. Hugging Face's
+            `BertForSequenceClassification` has only "pooled".
 
     Example:
     >>> backbone = kbert.BertBackbone(100, 2, 2, 16, 32, max_sequence_length=16)
@@ -35,17 +47,42 @@ class BertClassifier(Task):
     >>> model.compile()
     """
 
-    packs_rows = True  # `fit` may pack several examples per row (see `Task.fit`)
-
     def __init__(
-        self, backbone, num_classes, preprocessor=None, dropout=0.1, freeze_backbone=False, **kwargs
+        self,
+        backbone,
+        num_classes,
+        preprocessor=None,
+        dropout=0.1,
+        freeze_backbone=False,
+        pooling="pooled",
+        **kwargs,
     ):
         if not isinstance(num_classes, int) or num_classes < 1:
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         inputs = self.backbone_inputs(backbone)
-        logits = self.logits_head(backbone(inputs)["pooled_output"], backbone, num_classes, dropout)
-        config = dict(num_classes=num_classes, dropout=dropout, freeze_backbone=freeze_backbone)
+        outputs = backbone(inputs)
+        if pooling == "pooled":
+            features = outputs["pooled_output"]
+        else:
+            features = TokenPooling(pooling, name="token_pooling")(
+                outputs["sequence_output"], inputs["padding_mask"]
+            )
+        logits = self.logits_head(features, backbone, num_classes, dropout)
+        config = dict(
+            num_classes=num_classes,
+            dropout=dropout,
+            freeze_backbone=freeze_backbone,
+            pooling=pooling,
+        )
         self._init_task(inputs, logits, backbone, preprocessor, config, kwargs)
+
+    @property
+    def packs_rows(self):
+        """Whether `fit` may pack several examples per row (see `Task.fit`):
+        with the pooled [CLS] head, which reads one [CLS] per example."""
+        return getattr(self, "pooling", "pooled") == "pooled"
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         if isinstance(inputs, dict) and batching.PACKED_KEY in inputs:
@@ -60,7 +97,7 @@ class BertClassifier(Task):
             return self.get_layer("float32_logits")(logits)
         return super().call(inputs, training=training, mask=mask, **kwargs)
 
-    config_names = ("num_classes", "dropout", "freeze_backbone")
+    config_names = ("num_classes", "dropout", "freeze_backbone", "pooling")
 
     def compile_defaults(self, given):
         if self.num_classes == 1:  # regression on scores

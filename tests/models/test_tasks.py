@@ -179,6 +179,48 @@ def test_frozen_backbone_trains_head_only(backbone, preprocessor):
     assert not np.allclose(head, keras.ops.convert_to_numpy(model.get_layer("logits").kernel))
 
 
+@pytest.mark.parametrize("pooling", ["cls", "mean", "max"])
+def test_classifier_reads_token_pooling(backbone, preprocessor, pooling, tmp_path):
+    model = kbert.BertClassifier(backbone, 2, preprocessor=preprocessor, pooling=pooling)
+    assert not model.packs_rows  # one vector per example comes from all its tokens
+    x = preprocessor(TEXTS[:4])
+    tokens = keras.ops.convert_to_numpy(backbone(x)["sequence_output"])
+    mask = np.asarray(x["padding_mask"]).astype(bool)
+    if pooling == "cls":
+        features = tokens[:, 0]
+    elif pooling == "mean":
+        features = (tokens * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+    else:
+        features = np.stack([t[m].max(0) for t, m in zip(tokens, mask)])
+    head = model.get_layer("logits")
+    expected = features @ keras.ops.convert_to_numpy(head.kernel) + keras.ops.convert_to_numpy(
+        head.bias
+    )
+    logits = model.predict(TEXTS[:4], verbose=0)
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+    # padding is not read: the same text alone gives the same logits
+    np.testing.assert_allclose(model.predict(TEXTS[2:3], verbose=0), logits[2:3], atol=1e-5)
+    model.compile(learning_rate=1e-3)
+    history = model.fit(TEXTS, LABELS, batch_size=4, epochs=3, verbose=0).history
+    assert history["loss"][-1] < history["loss"][0]
+    trained = model.predict(TEXTS[:4], verbose=0)
+    model.save_to_preset(tmp_path / "preset")
+    again = kbert.BertClassifier.from_preset(tmp_path / "preset")
+    assert again.pooling == pooling
+    np.testing.assert_allclose(again.predict(TEXTS[:4], verbose=0), trained, atol=1e-5)
+    from kbert.convert.huggingface import export_to_huggingface
+
+    with pytest.raises(ValueError, match="pooled"):
+        export_to_huggingface(model, tmp_path / "hf")
+
+
+def test_classifier_pooling_is_checked_and_defaults_to_the_pooler(backbone):
+    model = kbert.BertClassifier(backbone, 2)
+    assert model.pooling == "pooled" and model.packs_rows
+    with pytest.raises(ValueError, match="pooling"):
+        kbert.BertClassifier(backbone, 2, pooling="median")
+
+
 def test_text_embedder_pooling(backbone, preprocessor, tmp_path):
     embedder = kbert.BertTextEmbedder(
         backbone, pooling="mean", normalize=True, preprocessor=preprocessor

@@ -58,8 +58,9 @@ def parse_args(argv=None):
         default="bert",
         choices=("bert", "transformers"),
         help="bert: compile's AdamW (the original BERT's schedule and weight-decay exclusions); "
-        "transformers: the reference loop of benchmarks/seq2seq.py (torch AdamW: epsilon 1e-8, "
-        "decay on every weight; get_linear_schedule_with_warmup: the line from the peak)",
+        "transformers: the reference loop of benchmarks/seq2seq.py (torch AdamW: epsilon 1e-8 "
+        "added after the bias correction, decay on every weight; "
+        "get_linear_schedule_with_warmup: the line from the peak)",
     )
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--max-train-examples", type=int, default=None)
@@ -125,7 +126,13 @@ def run(args):
     steps = args.epochs * -(-len(train[0]) // args.batch_size)
     if args.recipe == "transformers":
         optimizer = kbert.training.create_optimizer(
-            args.learning_rate, steps, steps // 10, epsilon=1e-8, no_decay=(), from_peak=True
+            args.learning_rate,
+            steps,
+            steps // 10,
+            epsilon=1e-8,
+            no_decay=(),
+            from_peak=True,
+            corrected_epsilon=True,
         )
         model.compile(optimizer=optimizer)
     else:

@@ -253,7 +253,8 @@ def fused_adam_update(optimizer, gradient, variable, learning_rate):
     Keras' ops make about ten without XLA (Keras' TensorFlow default on a
     CPU). The kernel's arithmetic is Keras' own: alpha = lr sqrt(1 - b2^t)
     / (1 - b1^t), m += (g - m)(1 - b1), v += (g^2 - v)(1 - b2),
-    x -= m alpha / (sqrt(v) + eps). Returns False, having changed nothing,
+    x -= m alpha / (sqrt(v) + eps) (eps sqrt(1 - b2^t) for an optimizer
+    with `corrected_epsilon`). Returns False, having changed nothing,
     where it does not apply: amsgrad, hyperparameters that are not Python
     numbers, variables that are not float32 resource variables."""
     import tensorflow as tf
@@ -271,12 +272,15 @@ def fused_adam_update(optimizer, gradient, variable, learning_rate):
         return False
     step = tf.cast(optimizer.iterations + 1, tf.float32)
     beta_1, beta_2, epsilon = (tf.constant(h, tf.float32) for h in hyper)
+    beta_2_power = tf.pow(beta_2, step)
+    if getattr(optimizer, "corrected_epsilon", False):  # torch's: see kbert's AdamW
+        epsilon = epsilon * tf.sqrt(1.0 - beta_2_power)
     tf.raw_ops.ResourceApplyAdam(
         var=handles[0],
         m=handles[1],
         v=handles[2],
         beta1_power=tf.pow(beta_1, step),
-        beta2_power=tf.pow(beta_2, step),
+        beta2_power=beta_2_power,
         lr=tf.cast(learning_rate, tf.float32),
         beta1=beta_1,
         beta2=beta_2,

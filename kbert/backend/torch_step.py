@@ -284,6 +284,7 @@ def adam_update(optimizer, grads, variables, learning_rate):
     beta_2_power = torch.pow(optimizer.beta_2, local_step)
     alpha = lr * torch.sqrt(1 - beta_2_power) / (1 - beta_1_power)
     betas = (optimizer.beta_1, optimizer.beta_2)
+    corrected = getattr(optimizer, "corrected_epsilon", False)
     if v_hat_list is None and cpu_fused_adam(
         variables,
         grads,
@@ -295,13 +296,17 @@ def adam_update(optimizer, grads, variables, learning_rate):
         optimizer.epsilon,
         weight_decay=(optimizer.weight_decay, decay) if any(decay) else None,
         clip_scale=clip_scale,
+        corrected_epsilon=corrected,
     ):
         return  # one pass over each variable on a CPU, decay and clipping included
     if clip_scale is not None:
         grads = torch_ops.scale_all(grads, clip_scale)
     optimizer.apply_weight_decay_now([v for v, d in zip(keras_variables, decay) if d])
+    epsilon = optimizer.epsilon
+    if corrected:  # torch's epsilon (see kbert's AdamW): a device scalar
+        epsilon = epsilon * torch.sqrt(1 - beta_2_power)
     if v_hat_list is None and torch_triton.adam_update(
-        variables, grads, m_list, v_list, alpha, *betas, optimizer.epsilon
+        variables, grads, m_list, v_list, alpha, *betas, epsilon
     ):
         return  # one kernel per variable on a GPU, the same arithmetic
     torch._foreach_mul_(m_list, optimizer.beta_1)
@@ -315,7 +320,7 @@ def adam_update(optimizer, grads, variables, learning_rate):
         variables,
         torch._foreach_div(
             torch._foreach_mul(m_list, alpha),
-            torch._foreach_add(torch._foreach_sqrt(v_list), optimizer.epsilon),
+            torch._foreach_add(torch._foreach_sqrt(v_list), epsilon),
         ),
         alpha=-1,
     )
@@ -333,6 +338,7 @@ def cpu_fused_adam(
     epsilon,
     weight_decay=None,
     clip_scale=None,
+    corrected_epsilon=False,
 ):
     """Keras' Adam update through torch's fused CPU kernel
     (`torch._fused_adam_`, torch 2.4-2.13 checked): one pass over each
@@ -344,7 +350,8 @@ def cpu_fused_adam(
 
     torch's kernel divides the bias corrections in as
     (sqrt(v) / sqrt(c2) + eps) and lr / c1; with eps / sqrt(c2) for eps
-    that is Keras' x - m lr sqrt(c2) / c1 / (sqrt(v) + eps), up to rounding.
+    that is Keras' x - m lr sqrt(c2) / c1 / (sqrt(v) + eps), up to rounding
+    (`corrected_epsilon`: the kernel's own arithmetic, eps as given).
     CPU tensors can be read without a device synchronisation, so the step
     and learning rate become Python numbers here.
 
@@ -400,7 +407,7 @@ def cpu_fused_adam(
             beta1=beta_1,
             beta2=beta_2,
             weight_decay=float(rate) if decays else 0.0,
-            eps=epsilon / correction_2**0.5,
+            eps=epsilon if corrected_epsilon else epsilon / correction_2**0.5,
             amsgrad=False,
             maximize=False,
             grad_scale=grad_scale,

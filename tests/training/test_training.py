@@ -125,13 +125,23 @@ def test_weight_decay_skips_layer_norm_and_bias():
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(gamma), 1.0)
 
 
-def test_adamw_matches_a_numpy_reference():
+@pytest.mark.parametrize("corrected", [False, True])
+def test_adamw_matches_a_numpy_reference(corrected):
     """Clipping, decoupled decay (not on bias), bias-corrected Adam and the
-    schedule, over three steps; on torch this runs Keras' multi-tensor path."""
+    schedule, over three steps; on torch this runs Keras' multi-tensor path
+    (torch's fused kernel on a CPU), on TensorFlow its fused kernel.
+    `corrected_epsilon` adds epsilon after the bias correction, as
+    torch.optim.AdamW; a large epsilon makes the two conventions differ."""
     rng = np.random.default_rng(0)
-    lr, total, wd, clip, eps = 0.1, 10, 0.1, 1.0, 1e-6
+    lr, total, wd, clip, eps = 0.1, 10, 0.1, 1.0, 0.3
     optimizer = create_optimizer(
-        learning_rate=lr, num_train_steps=total, num_warmup_steps=0, weight_decay=wd, clipnorm=clip
+        learning_rate=lr,
+        num_train_steps=total,
+        num_warmup_steps=0,
+        weight_decay=wd,
+        clipnorm=clip,
+        epsilon=eps,
+        corrected_epsilon=corrected,
     )
     values = [rng.normal(size=(3, 2)).astype("float32"), rng.normal(size=(2,)).astype("float32")]
     variables = [keras.Variable(values[0], name="kernel"), keras.Variable(values[1], name="bias")]
@@ -150,8 +160,12 @@ def test_adamw_matches_a_numpy_reference():
                 values[i] = values[i] - values[i] * wd * rate
             m[i] = m[i] + (g - m[i]) * 0.1
             v[i] = v[i] + (g * g - v[i]) * 0.001
-            rate_t = rate * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
-            values[i] = values[i] - rate_t * m[i] / (np.sqrt(v[i]) + eps)
+            if corrected:  # torch.optim.AdamW's arithmetic
+                denominator = np.sqrt(v[i]) / np.sqrt(1 - 0.999**t) + eps
+                values[i] = values[i] - rate / (1 - 0.9**t) * m[i] / denominator
+            else:
+                rate_t = rate * np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
+                values[i] = values[i] - rate_t * m[i] / (np.sqrt(v[i]) + eps)
     for var, expected in zip(variables, values):
         np.testing.assert_allclose(keras.ops.convert_to_numpy(var), expected, rtol=1e-5, atol=1e-6)
 
@@ -788,3 +802,12 @@ def test_weight_decay_exclusions_survive_a_keras_file(tmp_path):
         assert restored.optimizer.no_decay == (
             kbert.training.optimizer.NO_DECAY if no_decay is None else ()
         )
+
+
+def test_corrected_epsilon_is_kept_in_the_config_and_adamw_only():
+    optimizer = create_optimizer(1e-3, 10, 1, epsilon=1e-8, corrected_epsilon=True)
+    config = keras.optimizers.serialize(optimizer)
+    assert keras.optimizers.deserialize(config).corrected_epsilon is True
+    assert create_optimizer(1e-3, 10, 1).corrected_epsilon is False
+    with pytest.raises(ValueError, match="corrected_epsilon is an AdamW setting"):
+        create_optimizer(1e-3, 10, 1, kind="lamb", corrected_epsilon=True)

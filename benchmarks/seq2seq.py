@@ -14,8 +14,12 @@ Writes one JSON (`--output`). Speed: each call timed after a first call
 that compiles (reported separately), the best of `--repeats`; transformers
 runs on torch (CUDA when present) in eval mode with its cache, the same
 weights exported by kbert. Fine-tuning: seconds per step of kbert's `fit`
-against a plain transformers training loop (eager, AdamW) on the same
-batches.
+(the difference of a fit of 3 x `--train-steps` steps and one of
+`--train-steps`, after a first fit that compiles) against a plain
+transformers training loop (eager, AdamW) on the same batches; with
+`--dtype bfloat16` transformers trains both with bfloat16 weights (as it
+ran `generate`) and as `Trainer(bf16=True)` does (float32 weights under
+`torch.autocast`), kbert in `mixed_bfloat16` (float32 weights).
 """
 
 import argparse
@@ -311,43 +315,65 @@ def speed(args):
     labels = np.roll(targets, -1, axis=1)
     model.compile(learning_rate=5e-5)
     steps = args.train_steps
-    data = {k: np.concatenate([v] * steps) for k, v in train_x.items()}
-    y = np.concatenate([labels] * steps)
-    model.fit(data, y, batch_size=batch, epochs=1, verbose=0)  # compiles
-    start = time.perf_counter()
-    model.fit(data, y, batch_size=batch, epochs=1, verbose=0)
-    kbert_step = (time.perf_counter() - start) / steps
-    hf.train()
-    optimizer = torch.optim.AdamW(hf.parameters(), lr=5e-5)
+
+    def fit_seconds(n):
+        data = {k: np.concatenate([v] * n) for k, v in train_x.items()}
+        start = time.perf_counter()
+        model.fit(data, np.concatenate([labels] * n), batch_size=batch, epochs=1, verbose=0)
+        return time.perf_counter() - start
+
+    fit_seconds(steps)  # compiles
+    # a fit's own fixed cost (on torch: its eager warm-up steps and CUDA-graph
+    # capture) cancels in the difference of a fit of 3n and one of n steps
+    short = fit_seconds(steps)
+    kbert_step = (fit_seconds(3 * steps) - short) / (2 * steps)
     t = {k: torch.tensor(v, dtype=torch.long, device=device) for k, v in train_x.items()}
     hf_labels = torch.tensor(labels, dtype=torch.long, device=device)
 
-    def hf_step():
-        loss = hf(
-            input_ids=t["encoder_token_ids"],
-            attention_mask=t["encoder_padding_mask"],
-            decoder_input_ids=t["decoder_token_ids"],
-            decoder_attention_mask=t["decoder_padding_mask"],
-            labels=hf_labels,
-        ).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    def hf_step_seconds(hf_model, autocast):
+        """transformers' eager AdamW step: `autocast` as Trainer(bf16=True)
+        trains (float32 weights, bfloat16 products), else in the weights'
+        own dtype."""
+        hf_model.train()
+        optimizer = torch.optim.AdamW(hf_model.parameters(), lr=5e-5)
 
-    hf_step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        hf_step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    hf_train_step = (time.perf_counter() - start) / steps
-    result["fine_tuning"] = {
-        "kbert_step_s": round(kbert_step, 4),
-        "transformers_step_s": round(hf_train_step, 4),
-        "speedup": round(hf_train_step / kbert_step, 2),
-    }
+        def step():
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                loss = hf_model(
+                    input_ids=t["encoder_token_ids"],
+                    attention_mask=t["encoder_padding_mask"],
+                    decoder_input_ids=t["decoder_token_ids"],
+                    decoder_attention_mask=t["decoder_padding_mask"],
+                    labels=hf_labels,
+                ).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(2 * steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / (2 * steps)
+
+    fine_tuning = {"kbert_step_s": round(kbert_step, 4)}
+    if args.dtype == "bfloat16":
+        # bfloat16 weights (as `generate` ran), and Trainer's mixed precision
+        fine_tuning["transformers_bf16_weights_step_s"] = round(hf_step_seconds(hf, False), 4)
+        del hf
+        hf32 = transformers.EncoderDecoderModel.from_pretrained(directory).to(device)
+        fine_tuning["transformers_autocast_step_s"] = round(hf_step_seconds(hf32, True), 4)
+        for key in ("transformers_bf16_weights_step_s", "transformers_autocast_step_s"):
+            name = "speedup_vs_" + key.removeprefix("transformers_").removesuffix("_step_s")
+            fine_tuning[name] = round(fine_tuning[key] / kbert_step, 2)
+    else:
+        fine_tuning["transformers_step_s"] = round(hf_step_seconds(hf, False), 4)
+        fine_tuning["speedup"] = round(fine_tuning["transformers_step_s"] / kbert_step, 2)
+    result["fine_tuning"] = fine_tuning
     print(json.dumps({"fine_tuning": result["fine_tuning"]}), flush=True)
     return result
 

@@ -60,6 +60,20 @@ def clip_summed(grads, clip_by_global_norm):
     return [g / replicas for g in clip_by_global_norm(summed)]
 
 
+def merged_rows(gradient):
+    """A `tf.IndexedSlices` gradient (an embedding lookup's) with each row
+    once and its values summed: the rows of the dense gradient, whose squares
+    sum to its squared norm (the slices repeat a row per lookup, so their
+    own values' squares do not). Anything else is returned as it is."""
+    import tensorflow as tf
+
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    rows, position = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(rows)[0])
+    return tf.IndexedSlices(values, rows, gradient.dense_shape)
+
+
 def multi_worker_logs(model, logs):
     """Keras' TensorFlow trainer averages logs across MultiWorkerMirrored
     workers with `strategy.reduce("MEAN", v, axis=0)`, which fails on scalar

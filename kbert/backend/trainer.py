@@ -20,7 +20,7 @@ what it does for a model, and picks the engine of the running backend.
 - the backbone's loop programs: `layers_in_loop`, `note_looped`.
 - data parallelism: `replica_sum`, `ddp_*`, `graphs_training`.
 - the optimizer's fused updates: `grouped_global_norm`, `grouped_scale`,
-  `clip_summed`, `fused_adam_update`, `adam_update`, `count_in_place`,
+  `norm_parts`, `clip_summed`, `fused_adam_update`, `adam_update`, `count_in_place`,
   `owns_gradients`.
 """
 
@@ -250,6 +250,15 @@ def grouped_global_norm(tensors):
 def grouped_scale(tensors, scale):
     """torch: every tensor times `scale` in one multi-tensor call."""
     return torch_ops.scale_all(tensors, scale)
+
+
+def norm_parts(grads):
+    """`grads` as parts whose squares sum to the global squared norm: on
+    TensorFlow an embedding's sparse gradient with its repeated rows merged
+    (`kbert.backend.tensorflow.merged_rows`); elsewhere `grads` itself."""
+    if not backend.is_tensorflow():
+        return grads
+    return [tf_backend.merged_rows(g) for g in grads]
 
 
 def clip_summed(grads, clip_by_global_norm):

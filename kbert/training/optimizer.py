@@ -77,12 +77,15 @@ def _multi_tensor(present):
 
 def global_clip_scale(grads, clip):
     """clip / max(norm, clip) for the global norm of `grads` (None entries
-    skipped), a float32 scalar; NaN for a non-finite norm."""
+    skipped), a float32 scalar; NaN for a non-finite norm. The norm is the
+    dense gradient's on every backend (TensorFlow's sparse embedding
+    gradients repeat a row per lookup: `trainer.norm_parts`)."""
     present = [g for g in grads if g is not None]
     if _multi_tensor(present):
         norm = trainer.grouped_global_norm(present)
     else:
-        norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in present))
+        parts = trainer.norm_parts(present)
+        norm = ops.sqrt(sum(ops.sum(ops.square(ops.cast(g, "float32"))) for g in parts))
     scale = clip / (ops.relu(norm - clip) + clip)  # = clip / max(norm, clip)
     return scale + (norm - norm)  # inf - inf and NaN - NaN are NaN: poison a non-finite norm
 

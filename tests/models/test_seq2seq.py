@@ -419,3 +419,82 @@ def test_transformers_token_ids_and_an_untied_head(tmp_path):
     hf.save_pretrained(tmp_path / "untied")
     with pytest.raises(kbert.presets.PresetError, match="untied"):
         kbert.BertSeq2SeqLM.from_preset(tmp_path / "untied")
+
+
+@pytest.mark.parametrize("corrected", [True, False])
+def test_transformers_recipe_trains_as_transformers_training_loop(tmp_path, corrected):
+    """`create_optimizer(epsilon=..., no_decay=(), from_peak=True,
+    corrected_epsilon=True)` and `fit` take the steps of a plain transformers
+    loop (torch AdamW, `get_linear_schedule_with_warmup`, clipping 1.0) on
+    the same batches without dropout: the trained logits agree. A large
+    epsilon shows where it is added: Keras' placement (before the bias
+    correction) trains a different model."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=61,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    encoder = transformers.BertConfig(num_hidden_layers=1, **common)
+    decoder = transformers.BertConfig(
+        num_hidden_layers=1, is_decoder=True, add_cross_attention=True, **common
+    )
+    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 2, 0, 3
+    hf = transformers.EncoderDecoderModel(config=config)
+    hf.save_pretrained(tmp_path / "hf")
+    m = kbert.BertSeq2SeqLM.from_preset(tmp_path / "hf")
+    batch, steps, lr, eps = 4, 5, 1e-2, 1e-3
+    # every row holds a real token on both sides (a source of padding alone
+    # is attended uniformly by transformers, a degenerate case of its own)
+    rng = np.random.default_rng(0)
+    x = {}
+    for side, length in (("encoder", 8), ("decoder", 6)):
+        lengths = rng.integers(2, length + 1, (batch * steps, 1))
+        mask = (np.arange(length)[None] < lengths).astype("int32")
+        x[f"{side}_token_ids"] = (rng.integers(4, 61, mask.shape) * mask).astype("int32")
+        x[f"{side}_padding_mask"] = mask
+    y = np.roll(x["decoder_token_ids"], -1, axis=1)
+    m.compile(
+        optimizer=kbert.training.create_optimizer(
+            lr,
+            steps,
+            2,
+            epsilon=eps,
+            no_decay=(),
+            from_peak=True,
+            corrected_epsilon=corrected,
+        )
+    )
+    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, bucket_lengths=False, verbose=0)
+
+    hf.train()
+    optimizer = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.01, eps=eps)
+    schedule = transformers.get_linear_schedule_with_warmup(optimizer, 2, steps)
+    labels = torch.tensor(np.where(x["decoder_padding_mask"] == 1, y, -100), dtype=torch.long)
+    t = {k: torch.tensor(v, dtype=torch.long) for k, v in x.items()}
+    for step in range(steps):
+        rows = slice(step * batch, (step + 1) * batch)
+        loss = hf(
+            input_ids=t["encoder_token_ids"][rows],
+            attention_mask=t["encoder_padding_mask"][rows],
+            decoder_input_ids=t["decoder_token_ids"][rows],
+            decoder_attention_mask=t["decoder_padding_mask"][rows],
+            labels=labels[rows],
+        ).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    hf.eval()
+    probe = seq2seq_inputs(seed=1)
+    gap = np.abs(real(m(probe), probe) - real(hf_logits(hf, probe), probe)).max()
+    if corrected:
+        assert gap <= 2e-5, gap
+    else:
+        assert gap > 1e-2, gap

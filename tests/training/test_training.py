@@ -811,3 +811,20 @@ def test_corrected_epsilon_is_kept_in_the_config_and_adamw_only():
     assert create_optimizer(1e-3, 10, 1).corrected_epsilon is False
     with pytest.raises(ValueError, match="corrected_epsilon is an AdamW setting"):
         create_optimizer(1e-3, 10, 1, kind="lamb", corrected_epsilon=True)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's sparse gradients")
+def test_global_norm_of_a_sparse_gradient_is_its_dense_norm():
+    """An embedding lookup's gradient on TensorFlow repeats a row per lookup;
+    clipping takes the norm of the summed (dense) gradient, as on JAX and
+    torch."""
+    import tensorflow as tf
+
+    from kbert.training.optimizer import global_clip_scale
+
+    values = tf.constant([[3.0, 0.0], [3.0, 0.0], [0.0, 4.0]])
+    sparse = tf.IndexedSlices(values, tf.constant([1, 1, 2]), tf.constant([4, 2]))
+    dense = tf.convert_to_tensor(sparse)  # rows 1: (6, 0), 2: (0, 4): norm sqrt(52)
+    for grads in ([sparse], [dense]):
+        scale = float(global_clip_scale(grads, 1.0))
+        np.testing.assert_allclose(scale, 1.0 / np.sqrt(52.0), rtol=1e-6)

@@ -146,7 +146,11 @@ class NoDecayNames:
 class AdamW(NoDecayNames, ReplicaExactClipping, keras_internals.adamw_base()):
     """keras.optimizers.AdamW with replica-exact global-norm clipping; on
     torch, an update with no host-device synchronisation (step count and
-    bias corrections on the device), which a CUDA graph can capture."""
+    bias corrections on the device), which a CUDA graph can capture.
+
+    `corrected_epsilon=True` adds epsilon to the bias-corrected root of the
+    second moment, as `torch.optim.AdamW` and optax do (Keras adds it to
+    the uncorrected one); saved in the config."""
 
     updates_on_device = backend.is_torch()
     # On torch the update applies the weight decay: in the same pass as
@@ -183,7 +187,7 @@ class AdamW(NoDecayNames, ReplicaExactClipping, keras_internals.adamw_base()):
         if not self.corrected_epsilon:
             super().update_step(gradient, variable, learning_rate)
             return
-        # Keras' Adam.update_step with `epsilon_at` for the epsilon
+        # Keras' Adam.update_step with epsilon scaled by sqrt(1 - beta_2^t)
         dtype = variable.dtype
         lr = ops.cast(learning_rate, dtype)
         gradient = ops.cast(gradient, dtype)

@@ -362,6 +362,12 @@ def adam_slot_variables(optimizer, variable):
     return optimizer._momentums[index], optimizer._velocities[index]
 
 
+def adam_velocity_hat(optimizer, variable):
+    """The amsgrad maximum of the velocity of one variable, a Keras variable
+    (`Adam._velocity_hats`, `_get_variable_index`, 3.10-3.15)."""
+    return optimizer._velocity_hats[optimizer._get_variable_index(variable)]
+
+
 def torch_value(variable):
     """A torch Keras variable's parameter tensor (`Variable._value`,
     3.10-3.15). `variable.value` adds an autocast and symbolic-scope check per

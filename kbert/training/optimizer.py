@@ -194,13 +194,12 @@ class AdamW(NoDecayNames, ReplicaExactClipping, keras_internals.adamw_base()):
         local_step = ops.cast(self.iterations + 1, dtype)
         beta_1_power = ops.power(ops.cast(self.beta_1, dtype), local_step)
         beta_2_power = ops.power(ops.cast(self.beta_2, dtype), local_step)
-        index = self._get_variable_index(variable)
-        m, v = self._momentums[index], self._velocities[index]
+        m, v = keras_internals.adam_slot_variables(self, variable)
         alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         self.assign_add(m, (gradient - m) * (1 - self.beta_1))
         self.assign_add(v, (ops.square(gradient) - v) * (1 - self.beta_2))
         if self.amsgrad:
-            v_hat = self._velocity_hats[index]
+            v_hat = keras_internals.adam_velocity_hat(self, variable)
             self.assign(v_hat, ops.maximum(v_hat, v))
             v = v_hat
         epsilon = ops.cast(self.epsilon, dtype) * ops.sqrt(1 - beta_2_power)

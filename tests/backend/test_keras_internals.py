@@ -128,6 +128,11 @@ def test_private_state_of_a_compiled_model_and_its_optimizer():
         assert len(getattr(optimizer, slots)) == len(model.trainable_variables)
     variable = model.trainable_variables[0]
     assert optimizer._get_variable_index(variable) == 0
+    m, v = keras_internals.adam_slot_variables(optimizer, variable)
+    assert m.shape == v.shape == variable.shape
+    amsgrad = keras.optimizers.Adam(amsgrad=True)
+    amsgrad.build([variable])
+    assert keras_internals.adam_velocity_hat(amsgrad, variable).shape == variable.shape
 
 
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="the torch backend's internals")

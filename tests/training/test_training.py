@@ -828,3 +828,27 @@ def test_global_norm_of_a_sparse_gradient_is_its_dense_norm():
     for grads in ([sparse], [dense]):
         scale = float(global_clip_scale(grads, 1.0))
         np.testing.assert_allclose(scale, 1.0 / np.sqrt(52.0), rtol=1e-6)
+
+
+def test_amsgrad_with_corrected_epsilon_matches_a_numpy_reference():
+    """torch.optim.AdamW(amsgrad=True)'s arithmetic: the running maximum of
+    the second moment, epsilon after the bias correction."""
+    rng = np.random.default_rng(1)
+    lr, eps = 0.1, 0.3
+    value = rng.normal(size=(4, 3)).astype("float32")
+    variable = keras.Variable(value, name="kernel")
+    optimizer = kbert.training.optimizer.AdamW(
+        learning_rate=lr, weight_decay=0.0, epsilon=eps, amsgrad=True, corrected_epsilon=True
+    )
+    optimizer.build([variable])
+    m, v, v_max = (np.zeros_like(value) for _ in range(3))
+    for t in range(1, 4):
+        g = rng.normal(size=value.shape).astype("float32") * (
+            3.0 if t == 1 else 0.01
+        )  # v falls after step 1
+        optimizer.apply([keras.ops.convert_to_tensor(g)], [variable])
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        v_max = np.maximum(v_max, v)
+        value = value - lr / (1 - 0.9**t) * m / (np.sqrt(v_max / (1 - 0.999**t)) + eps)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(variable), value, rtol=1e-5, atol=1e-6)

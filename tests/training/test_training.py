@@ -843,9 +843,8 @@ def test_amsgrad_with_corrected_epsilon_matches_a_numpy_reference():
     optimizer.build([variable])
     m, v, v_max = (np.zeros_like(value) for _ in range(3))
     for t in range(1, 4):
-        g = rng.normal(size=value.shape).astype("float32") * (
-            3.0 if t == 1 else 0.01
-        )  # v falls after step 1
+        scale = 3.0 if t == 1 else 0.01  # v falls after step 1
+        g = rng.normal(size=value.shape).astype("float32") * scale
         optimizer.apply([keras.ops.convert_to_tensor(g)], [variable])
         m = 0.9 * m + 0.1 * g
         v = 0.999 * v + 0.001 * g * g

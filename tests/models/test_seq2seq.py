@@ -105,7 +105,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
-def hf_encoder_decoder(tmp_path, seed=0, end_bias=0.0, initializer_range=0.02):
+def hf_encoder_decoder(tmp_path, seed=0, end_bias=0.0, initializer_range=0.02, dropout=0.1):
     torch.manual_seed(seed)
     common = dict(
         initializer_range=initializer_range,
@@ -115,6 +115,8 @@ def hf_encoder_decoder(tmp_path, seed=0, end_bias=0.0, initializer_range=0.02):
         intermediate_size=24,
         max_position_embeddings=32,
         hidden_act="gelu",
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
     )
     encoder = transformers.BertConfig(num_hidden_layers=2, **common)
     decoder = transformers.BertConfig(
@@ -429,25 +431,8 @@ def test_transformers_recipe_trains_as_transformers_training_loop(tmp_path, corr
     the same batches without dropout: the trained logits agree. A large
     epsilon shows where it is added: Keras' placement (before the bias
     correction) trains a different model."""
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=61,
-        hidden_size=16,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    encoder = transformers.BertConfig(num_hidden_layers=1, **common)
-    decoder = transformers.BertConfig(
-        num_hidden_layers=1, is_decoder=True, add_cross_attention=True, **common
-    )
-    config = transformers.EncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
-    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 2, 0, 3
-    hf = transformers.EncoderDecoderModel(config=config)
-    hf.save_pretrained(tmp_path / "hf")
-    m = kbert.BertSeq2SeqLM.from_preset(tmp_path / "hf")
+    hf, directory = hf_encoder_decoder(tmp_path, dropout=0.0)
+    m = kbert.BertSeq2SeqLM.from_preset(directory)
     batch, steps, lr, eps = 4, 5, 1e-2, 1e-3
     # every row holds a real token on both sides (a source of padding alone
     # is attended uniformly by transformers, a degenerate case of its own)

@@ -49,7 +49,7 @@ def models():
         "classifier": kbert.BertClassifier(backbone, 3, preprocessor=pre),
         "regressor": kbert.BertClassifier(backbone, 1, preprocessor=pre),
         "tagger": kbert.BertTokenClassifier(backbone, 3, preprocessor=pre),
-        "qa": kbert.BertQuestionAnswerer(backbone, pre, doc_stride=4, max_query_length=4),
+        "qa": kbert.BertQuestionAnswerer(backbone, pre, doc_stride=8, max_query_length=4),
         "mc": kbert.BertMultipleChoice(backbone, 2, preprocessor=pre),
         "embedder": kbert.BertTextEmbedder(backbone, preprocessor=pre),
     }

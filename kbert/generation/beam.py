@@ -32,8 +32,8 @@ def _gather(tensor, indices):
 
 def _top_candidates(log_probs, candidates):
     """The best `candidates` continuations of each row's beams: (scores,
-    source beam, token id), each (B, C), best first, ties in the order one
-    top-k over the row's K * V scores puts them (transformers' choice).
+    source beam, token id), each (B, C), best first, ties to the lower
+    (beam, token) as one top-k over the row's K * V scores breaks them.
 
     On JAX and TensorFlow, whose top-k puts ties in index order, taken in
     two passes, each beam's best C tokens and then the best C of those

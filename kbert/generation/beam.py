@@ -17,7 +17,6 @@ token, or the end token when the pad token id is 0.
 
 from keras import ops
 
-from kbert import backend
 from kbert.backend.decoding import decode_loop
 
 _NEG = -1.0e9  # transformers' "impossible" score
@@ -28,33 +27,6 @@ def _gather(tensor, indices):
     while len(indices.shape) < len(tensor.shape):
         indices = indices[..., None]
     return ops.take_along_axis(tensor, ops.cast(indices, "int32"), axis=1)
-
-
-def _top_candidates(log_probs, candidates):
-    """The best `candidates` continuations of each row's beams: (scores,
-    source beam, token id), each (B, C), best first, ties to the lower
-    (beam, token) as one top-k over the row's K * V scores breaks them.
-
-    On JAX and TensorFlow, whose top-k puts ties in index order, taken in
-    two passes, each beam's best C tokens and then the best C of those
-    K * C: the same candidates in the same order (a row's best C are each
-    among their own beam's best C), and the wide pass has B * K rows of V
-    scores to spread over the device instead of B rows of K * V. On torch,
-    whose `topk` orders ties its own way, one pass over K * V, as
-    transformers takes it.
-    """
-    batch, k, vocabulary = ops.shape(log_probs)
-    if backend.is_torch():
-        scores, picked = ops.top_k(ops.reshape(log_probs, (batch, k * vocabulary)), candidates)
-        picked = ops.cast(picked, "int32")
-        return scores, picked // vocabulary, picked % vocabulary
-    per_beam_scores, per_beam_tokens = ops.top_k(log_probs, candidates)  # (B, K, C)
-    scores, picked = ops.top_k(ops.reshape(per_beam_scores, (batch, k * candidates)), candidates)
-    picked = ops.cast(picked, "int32")
-    tokens = ops.take_along_axis(
-        ops.reshape(ops.cast(per_beam_tokens, "int32"), (batch, k * candidates)), picked, axis=1
-    )
-    return scores, picked // candidates, tokens
 
 
 def beam_search(
@@ -125,7 +97,12 @@ def beam_search(
         vocabulary = ops.shape(logits)[-1]
         log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
         log_probs = ops.reshape(log_probs, (batch, k, vocabulary)) + running_scores[:, :, None]
-        top_scores, source_beam, token_ids = _top_candidates(log_probs, candidates)  # (B, C)
+        top_scores, top_indices = ops.top_k(
+            ops.reshape(log_probs, (batch, k * vocabulary)), candidates
+        )  # (B, C)
+        top_indices = ops.cast(top_indices, "int32")
+        source_beam = top_indices // vocabulary
+        token_ids = top_indices % vocabulary
         top_sequences = ops.where(
             positions == length, token_ids[:, :, None], _gather(running, source_beam)
         )  # (B, C, L)

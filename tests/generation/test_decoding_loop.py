@@ -181,25 +181,3 @@ def test_torch_capture_failure_warns_and_goes_on_eagerly(monkeypatch, graphs_on_
     np.testing.assert_array_equal(ids, expected)
     np.testing.assert_array_equal(model.generate(x, max_length=9, num_beams=2), expected)
     assert runner.decoding_path(model) == (["eager"], 1)
-
-
-def test_beam_candidates_are_one_top_k_over_all_beams():
-    # scores on a coarse grid: many ties, within a beam and across beams
-    rng = np.random.default_rng(0)
-    batch, k, vocabulary, candidates = 3, 4, 50, 8
-    log_probs = rng.integers(-6, 0, (batch, k, vocabulary)).astype("float32")
-    scores, beams, tokens = (
-        keras.ops.convert_to_numpy(t)
-        for t in beam._top_candidates(keras.ops.convert_to_tensor(log_probs), candidates)
-    )
-    # what transformers takes: one top-k over each row's K * V scores
-    flat = log_probs.reshape(batch, k * vocabulary)
-    expected_scores, expected = keras.ops.top_k(keras.ops.convert_to_tensor(flat), candidates)
-    expected = keras.ops.convert_to_numpy(expected)
-    np.testing.assert_array_equal(beams, expected // vocabulary)
-    np.testing.assert_array_equal(tokens, expected % vocabulary)
-    np.testing.assert_array_equal(scores, keras.ops.convert_to_numpy(expected_scores))
-    if keras.backend.backend() != "torch":  # ties in index order
-        for row in range(batch):
-            order = np.lexsort((np.arange(flat.shape[1]), -flat[row]))[:candidates]
-            np.testing.assert_array_equal(expected[row], order)

@@ -17,6 +17,8 @@ shapes, called (or replayed) per token, the end checked on the host every
 few steps.
 """
 
+import contextlib
+
 import keras
 
 from kbert import backend
@@ -25,8 +27,21 @@ from kbert import backend
 EMULATE_GRAPHS_ON_CPU = False
 
 
-def compile_decoding(fn, variables):
-    """(callable, path): `fn(*arrays)` compiled for the backend."""
+def weight_casts(variables):
+    """On torch, the kept mixed-precision casts of `variables` that the
+    decoding programs of one model share (`torch_decoding.WeightCasts`);
+    None elsewhere (a compiled program casts each weight once)."""
+    if not backend.is_torch():
+        return None
+    from kbert.backend import torch_decoding
+
+    return torch_decoding.WeightCasts(variables)
+
+
+def compile_decoding(fn, variables, casts=None):
+    """(callable, path): `fn(*arrays)` compiled for the backend; on torch
+    with `casts` (`weight_casts`), weights read under autocast come from
+    its kept copies."""
     if backend.is_jax():
         import jax
 
@@ -53,7 +68,8 @@ def compile_decoding(fn, variables):
         graphs = torch_decoding.LoopGraphs(variables, emulate=True)
 
     def run(*args):
-        with torch.no_grad(), torch_decoding.active(graphs):
+        kept = casts.active() if casts is not None else contextlib.nullcontext()
+        with torch.no_grad(), torch_decoding.active(graphs), kept:
             return fn(*args)
 
     return run, graphs if graphs is not None else "eager"

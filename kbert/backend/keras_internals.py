@@ -424,6 +424,42 @@ def current_autocast_dtype():
     return scope.dtype if scope is not None else None
 
 
+_AUTOCAST = threading.local()
+
+
+@contextlib.contextmanager
+def autocast_lookup(lookup):
+    """Within the block (this thread), a variable value that Keras
+    autocasts to `dtype` is `lookup(value, dtype)` where that returns a
+    tensor, else Keras' own cast.
+
+    Works around: Keras casts a mixed-precision variable on every read
+    (`AutocastScope.maybe_cast`, 3.10-3.15); a decode step read once per
+    token casts every weight of the decoder per token. Can go if Keras
+    caches the casts of unchanged variables."""
+    from keras.src.backend import AutocastScope
+
+    if not getattr(AutocastScope.maybe_cast, "_kbert_lookup", False):
+        original = AutocastScope.maybe_cast
+
+        def maybe_cast(self, value):
+            active = getattr(_AUTOCAST, "lookup", None)
+            if active is not None and self.dtype is not None:
+                found = active(value, self.dtype)
+                if found is not None:
+                    return found
+            return original(self, value)
+
+        maybe_cast._kbert_lookup = True
+        AutocastScope.maybe_cast = maybe_cast
+    previous = getattr(_AUTOCAST, "lookup", None)
+    _AUTOCAST.lookup = lookup
+    try:
+        yield
+    finally:
+        _AUTOCAST.lookup = previous
+
+
 _CONVERTERS = {}
 
 

@@ -332,7 +332,8 @@ def attention_keep(padding_mask):
     """A padding mask (B, S) -> the boolean mask (B, 1, 1, S) attention
     takes. A row of padding only sees every key instead: a softmax over
     nothing is NaN, and its outputs are padding, unused. Computed once per
-    traced TensorFlow graph for all blocks."""
+    traced TensorFlow graph for all blocks, and on torch once per mask
+    tensor within a `torch_ops.shared_masks` block."""
 
     def make():
         keep = ops.cast(padding_mask, "bool")
@@ -343,6 +344,8 @@ def attention_keep(padding_mask):
         from kbert.backend import tensorflow as tf_backend
 
         return tf_backend.per_graph("attention_keep", padding_mask, make)
+    if backend.is_torch():
+        return torch_ops.shared_mask("keep", padding_mask, make)
     return make()
 
 

@@ -39,6 +39,7 @@ import keras
 import torch
 
 from kbert.backend import keras_internals
+from kbert.backend.torch_ops import shared_mask, shared_masks
 from kbert.backend.torch_step import (
     _GraphsPerShape,
     constants_on_device,
@@ -56,10 +57,70 @@ def cache_write(cache, index, values):
     cache written."""
     if not cache.is_contiguous():  # e.g. a repeated (expanded) view: written to a copy
         cache = cache.contiguous()
-    positions = index.reshape(1).to(torch.long)
+    positions = shared_mask("positions", index, lambda: index.reshape(1).to(torch.long))
     if values.shape[1] != 1:
         positions = positions + torch.arange(values.shape[1], device=cache.device)
     return cache.index_copy_(1, positions, values.to(cache.dtype))
+
+
+class WeightCasts:
+    """A model's float weights in the dtypes its mixed-precision layers
+    compute in, each cast once and kept, for decoding: Keras casts a
+    weight on every read, so a decode step captured as a CUDA graph would
+    cast the whole decoder again for every token (on BERT-base, about a
+    seventh of a greedy step).
+
+    `lookup(value, dtype)` (for `keras_internals.autocast_lookup`) returns
+    the kept copy of a weight tensor in `dtype`, made on the first read;
+    None for anything else, or where gradients are recorded. `refresh()`,
+    at the start of each decoding call, recasts in place the copies whose
+    weight changed since (a `fit` in between): a graph captured on the
+    copies reads the new values. The values are Keras' own casts, so the
+    outputs are unchanged; the copies take the weights' size in the
+    compute dtype."""
+
+    def __init__(self, variables):
+        self.variables = list(variables)
+        self.sources = {}
+        self.copies = {}  # (id of the weight tensor, dtype) -> [weight version, copy]
+
+    def refresh(self):
+        self.sources = {}
+        for variable in self.variables:
+            value = keras_internals.torch_value(variable)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                self.sources[id(value)] = value
+        for key, entry in list(self.copies.items()):
+            value = self.sources.get(key[0])
+            if value is None:
+                del self.copies[key]
+            elif value._version != entry[0]:
+                with torch.no_grad():
+                    entry[1].copy_(value)
+                entry[0] = value._version
+
+    def lookup(self, value, dtype):
+        if torch.is_grad_enabled() or self.sources.get(id(value)) is not value:
+            return None
+        dtype = getattr(torch, keras.backend.standardize_dtype(dtype), None)
+        if not isinstance(dtype, torch.dtype) or dtype == value.dtype:
+            return None
+        entry = self.copies.get((id(value), dtype))
+        if entry is None:
+            if is_capturing():  # a copy made in a capture would live in the graph's pool
+                return None
+            entry = self.copies[(id(value), dtype)] = [value._version, value.detach().to(dtype)]
+        elif entry[0] != value._version:  # changed within the call: Keras' own cast
+            return None
+        return entry[1]
+
+    @contextlib.contextmanager
+    def active(self):
+        """Within the block, weights read under autocast come from the
+        kept copies (refreshed on entry)."""
+        self.refresh()
+        with keras_internals.autocast_lookup(self.lookup):
+            yield
 
 
 def is_capturing():
@@ -78,7 +139,8 @@ def _guarded(cond, body):
 
     def step(constants, state):
         keep = cond(*state)
-        new = tuple(body(constants, *state))
+        with shared_masks():  # every block of the step reads the same masks
+            new = tuple(body(constants, *state))
         control = [
             torch.where(keep, n, o)
             for n, o in zip(keras.tree.flatten(new[:-1]), keras.tree.flatten(state[:-1]))

@@ -265,6 +265,49 @@ def _segment_sdpa(q, k, v, padding_mask, scale, dropout):
     return context.reshape(batch, length, heads, depth)
 
 
+_MASKS = threading.local()
+
+
+@contextlib.contextmanager
+def shared_masks():
+    """Within the block, the masks attention derives from one padding mask
+    (the boolean keep mask, the additive bias `sdpa` passes to torch) are
+    made once and shared by every layer that reads that mask tensor, e.g.
+    the blocks of one decoding step: each layer made its own, six small
+    kernels per layer and token. Masks are matched by tensor identity and
+    in-place version."""
+    previous = getattr(_MASKS, "table", None)
+    _MASKS.table = {}
+    try:
+        yield
+    finally:
+        _MASKS.table = previous
+
+
+def shared_mask(kind, tensor, make):
+    """`make()`, or within `shared_masks` the value made for this `kind` of
+    this tensor (unchanged since) earlier in the block."""
+    table = getattr(_MASKS, "table", None)
+    if table is None or not isinstance(tensor, torch.Tensor):
+        return make()
+    key = (kind, id(tensor))
+    entry = table.get(key)
+    if entry is None or entry[0] is not tensor or entry[1] != tensor._version:
+        entry = table[key] = (tensor, tensor._version, make())
+    return entry[2]
+
+
+def _additive_bias(keep, dtype):
+    """The boolean keep mask as the additive bias torch makes of it (0 or
+    -inf in the inputs' dtype), its rows padded to a multiple of 16 keys so
+    that the memory-efficient kernel takes it without a copy."""
+    length = keep.shape[-1]
+    padded = -(-length // 16) * 16
+    bias = torch.zeros((*keep.shape[:-1], padded), dtype=dtype, device=keep.device)
+    bias[..., :length].masked_fill_(~keep, float("-inf"))
+    return bias[..., :length]
+
+
 def sdpa(query, key, value, keep, scale, dropout=0.0, padding_mask=None):
     """scaled_dot_product_attention on (B, N, T, D) views of (B, T, N, D)
     inputs with a boolean (B, 1, 1, S) or (B, 1, T, S) mask; under
@@ -275,6 +318,8 @@ def sdpa(query, key, value, keep, scale, dropout=0.0, padding_mask=None):
         mask = ops.convert_to_tensor(padding_mask)
         return _segment_sdpa(query, key, value, mask, scale, dropout)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if getattr(_MASKS, "table", None) is not None and keep is not None and keep.dtype == torch.bool:
+        keep = shared_mask(("bias", q.dtype), keep, lambda: _additive_bias(keep, q.dtype))
     kernels = contextlib.nullcontext()
     if q.is_cuda and not torch.compiler.is_compiling():
         backends = _gpu_attention_kernels()

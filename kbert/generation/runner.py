@@ -15,11 +15,13 @@ import weakref
 import numpy as np
 from keras import ops
 
-from kbert.backend.decoding import compile_decoding, decoding_path_name
+from kbert.backend.decoding import compile_decoding, decoding_path_name, weight_casts
 from kbert.generation import beam, search
 
 # model -> {program key: (compiled function, path)}; dropped with the model
 _PROGRAMS = weakref.WeakKeyDictionary()
+# model -> the kept weight casts its programs share (torch; `weight_casts`)
+_CASTS = weakref.WeakKeyDictionary()
 # source lengths are padded to a multiple of this (one program per bucket)
 LENGTH_MULTIPLE = 16
 
@@ -90,7 +92,9 @@ def _program(model, strategy, options, max_length):
             return search.sample_search(step, constants, cache, start, max_length, *ids, **options)
         return search.greedy_search(step, constants, cache, start, max_length, *ids)
 
-    programs[key] = compile_decoding(run, model.variables)
+    if model not in _CASTS:
+        _CASTS[model] = weight_casts(model.variables)
+    programs[key] = compile_decoding(run, model.variables, _CASTS[model])
     return programs[key]
 
 

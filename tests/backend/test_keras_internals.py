@@ -41,6 +41,35 @@ def parameters(function):
     return list(inspect.signature(function).parameters)
 
 
+def test_autocast_lookup_replaces_the_cast_of_a_mixed_precision_read():
+    """`autocast_lookup` wraps `AutocastScope.maybe_cast`: within the block a
+    mixed-precision layer reads what the lookup returns for its weight, and
+    Keras' own cast where the lookup returns None; outside it, Keras' cast."""
+    from keras.src.backend import AutocastScope
+
+    assert parameters(AutocastScope.maybe_cast) == ["self", "value"]
+    layer = keras.layers.Dense(2, use_bias=False, dtype="mixed_bfloat16")
+    x = np.ones((1, 3), "float32")
+    layer(x)
+    kernel = layer.kernel.value
+    expected = keras.ops.convert_to_numpy(layer(x)).astype("float32")
+    zeros = keras.ops.zeros((3, 2), "bfloat16")
+    seen = []
+
+    def lookup(value, dtype):
+        seen.append(dtype)
+        return zeros if value is kernel else None
+
+    with keras_internals.autocast_lookup(lookup):
+        replaced = keras.ops.convert_to_numpy(layer(x)).astype("float32")
+        with keras_internals.autocast_lookup(lambda value, dtype: None):
+            declined = keras.ops.convert_to_numpy(layer(x)).astype("float32")
+    np.testing.assert_array_equal(replaced, np.zeros((1, 2)))
+    np.testing.assert_array_equal(declined, expected)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(layer(x)).astype("float32"), expected)
+    assert "bfloat16" in seen
+
+
 def test_a_callback_holds_its_model_as_model_returns_it():
     """`callback_model` reads `Callback._model`: the object `Callback.model`
     returns (after its JAX state sync)."""

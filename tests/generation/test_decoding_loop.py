@@ -19,7 +19,7 @@ OPTIONS = [
 ]
 
 
-def tiny(architecture, seed=0):
+def tiny(architecture, seed=0, dtype=None):
     keras.utils.set_random_seed(seed)
     backbone = kbert.BertBackbone(
         vocabulary_size=41,
@@ -29,6 +29,7 @@ def tiny(architecture, seed=0):
         intermediate_dim=24,
         max_sequence_length=32,
         initializer_range=0.3,
+        dtype=dtype,
     )
     model = kbert.BertSeq2SeqLM.from_backbone(
         backbone, architecture, start_token_id=2, end_token_id=3
@@ -60,7 +61,7 @@ def reference(model, x, monkeypatch, **options):
     with monkeypatch.context() as m:
         m.setattr(search, "decode_loop", plain_loop)
         m.setattr(beam, "decode_loop", plain_loop)
-        m.setattr(runner, "compile_decoding", lambda fn, variables: (fn, "reference"))
+        m.setattr(runner, "compile_decoding", lambda fn, variables, casts=None: (fn, "reference"))
         m.setattr(runner, "_PROGRAMS", type(runner._PROGRAMS)())
         return model.generate(x, max_length=9, **options)
 
@@ -114,6 +115,38 @@ def test_compiled_loop_gives_the_plain_loops_ids(architecture, monkeypatch, grap
         assert any(early)
         stats = [path.stats() for _, path in runner._PROGRAMS[model].values()]
         assert all(s["graphs"] >= 2 and s["replays"] > 0 for s in stats), stats
+
+
+def test_torch_decoding_casts_each_mixed_precision_weight_once(monkeypatch, graphs_on_cpu):
+    """On torch, a mixed-precision model's weights are cast once for all
+    decoding steps (kept copies, the same values as Keras' casts): the
+    ids are the plain loop's, and after the weights change, the new
+    weights'."""
+    if keras.backend.backend() != "torch":
+        pytest.skip("torch only: compiled programs cast each weight once")
+    import torch
+
+    model = tiny("bert2bert", dtype="mixed_bfloat16")
+    x = sources()
+    for options in (dict(), dict(num_beams=2)):
+        expected = reference(model, x, monkeypatch, **options)
+        np.testing.assert_array_equal(model.generate(x, max_length=9, **options), expected)
+    casts = runner._CASTS[model]
+    before = {key: entry[1].clone() for key, entry in casts.copies.items()}
+    assert len(before) > 10  # the decoder's and encoder's float weights, in bfloat16
+    assert all(copy.dtype == torch.bfloat16 for copy in before.values())
+
+    kernel = model.decoder_blocks[0].output_dense.kernel
+    kernel.assign(-keras.ops.convert_to_numpy(kernel))
+    for options in (dict(), dict(num_beams=2)):
+        expected = reference(model, x, monkeypatch, **options)
+        np.testing.assert_array_equal(model.generate(x, max_length=9, **options), expected)
+    changed = [key for key, entry in casts.copies.items() if not torch.equal(entry[1], before[key])]
+    assert len(changed) == 1  # the kernel's copy, recast in place
+    np.testing.assert_array_equal(
+        casts.copies[changed[0]][1].float().numpy(),
+        keras.ops.convert_to_numpy(keras.ops.cast(kernel.value, "bfloat16")).astype("float32"),
+    )
 
 
 def test_torch_step_without_graphs_is_eager():

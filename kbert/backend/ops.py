@@ -366,30 +366,6 @@ def torch_sdpa(query, key, value, keep, scale, dropout=0.0, padding_mask=None):
     return torch_ops.sdpa(query, key, value, keep, scale, dropout, padding_mask=padding_mask)
 
 
-def flash_prefix_possible(dtype):
-    """Whether `flash_prefix_attention` may run inputs of `dtype` here
-    (torch on a GPU, 16-bit inputs; the tensors decide the rest)."""
-    return (
-        backend.is_torch()
-        and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16")
-        and backend.on_accelerator()
-    )
-
-
-def flash_prefix_attention(query, key, value, key_lengths, scale):
-    """query (B, T, N, D), key/value (B, S, N, D) -> (B, T, N, D), each row's
-    queries attending to its first `key_lengths[b]` keys, through
-    FlashAttention's variable-length kernel where it runs these tensors
-    (torch, 16-bit, a GPU); None elsewhere, or where the kernel failed
-    (the caller's other path)."""
-    if not backend.is_torch():
-        return None
-    query, key, value = (ops.convert_to_tensor(t) for t in (query, key, value))
-    if not torch_ops.flash_prefix_available(query, key):
-        return None
-    return torch_ops.flash_prefix_attention(query, key, value, key_lengths, scale)
-
-
 def flex_attention(query, key, value, mask, scale, dropout=0.0):
     """query (B, T, N, D), key/value (B, S, N, D) -> (B, T, N, D): torch's
     FlexAttention over the keys the `AttentionMask` `mask` lets each query

@@ -7,7 +7,6 @@ in `benchmarks/RESULTS.md`.
 
 import contextlib
 import threading
-import warnings
 import weakref
 
 import keras
@@ -307,76 +306,6 @@ def _additive_bias(keep, dtype):
     bias = torch.zeros((*keep.shape[:-1], padded), dtype=dtype, device=keep.device)
     bias[..., :length].masked_fill_(~keep, float("-inf"))
     return bias[..., :length]
-
-
-# why the variable-length kernel failed in this process (it is not tried again)
-_FLASH_PREFIX_FAILED = None
-
-
-def flash_prefix_available(query, key):
-    """Whether `flash_prefix_attention` runs these (B, T, N, D) and
-    (B, S, N, D) tensors: 16-bit on an sm80+ GPU with torch's FlashAttention,
-    head size a multiple of 8 up to 256."""
-    depth = query.shape[-1]
-    return (
-        not _FLASH_PREFIX_FAILED
-        and query.is_cuda
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and key.dtype == query.dtype
-        and depth % 8 == 0
-        and depth <= 256
-        and not torch.compiler.is_compiling()
-        and torch.backends.cuda.flash_sdp_enabled()
-        and torch.cuda.get_device_capability(query.device) >= (8, 0)
-        and hasattr(torch.ops.aten, "_flash_attention_forward")
-    )
-
-
-def flash_prefix_attention(query, key, value, key_lengths, scale):
-    """query (B, T, N, D), key/value (B, S, N, D) -> (B, T, N, D): every
-    query of row b attends to that row's first `key_lengths[b]` keys, in
-    FlashAttention's variable-length kernel (`seqused_k`): the rest of the
-    keys (a decoder cache's unwritten positions) are never read, and no
-    mask is made. Within `shared_masks` the kernel's bounds are made once
-    per lengths tensor."""
-    batch, length, heads, depth = query.shape
-    keys = key.shape[1]
-    lengths = ops.convert_to_tensor(key_lengths)
-
-    def bounds():
-        device = query.device
-        return (
-            torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device),
-            torch.arange(0, (batch + 1) * keys, keys, dtype=torch.int32, device=device),
-            lengths.to(device=device, dtype=torch.int32),
-        )
-
-    query_bounds, key_bounds, used = shared_mask(("flash_prefix", length, keys), lengths, bounds)
-    try:
-        context = torch.ops.aten._flash_attention_forward(
-            query.reshape(batch * length, heads, depth),
-            key.reshape(batch * keys, heads, depth),
-            value.reshape(batch * keys, heads, depth),
-            query_bounds,
-            key_bounds,
-            length,
-            keys,
-            0.0,
-            False,
-            False,
-            scale=scale,
-            seqused_k=used,
-        )[0]
-    except RuntimeError as error:  # a torch build without `seqused_k` support
-        global _FLASH_PREFIX_FAILED
-        _FLASH_PREFIX_FAILED = f"{type(error).__name__}: {str(error)[:200]}"
-        warnings.warn(
-            f"kbert: FlashAttention over key lengths failed ({_FLASH_PREFIX_FAILED}); "
-            "attention goes on through scaled_dot_product_attention",
-            stacklevel=2,
-        )
-        return None
-    return context.reshape(batch, length, heads, depth)
 
 
 def sdpa(query, key, value, keep, scale, dropout=0.0, padding_mask=None):

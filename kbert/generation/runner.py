@@ -2,10 +2,8 @@
 with a cache, one compiled program per (batch, source length, options).
 
 The model supplies `generation_start(encoder_token_ids,
-encoder_padding_mask, max_length, num_beams, right_padded) -> (constants,
-cache)` (the cache with `num_beams` rows per source; `right_padded`: every
-source's real tokens come first, so attention may read source lengths
-instead of the mask) and
+encoder_padding_mask, max_length, num_beams) -> (constants, cache)` (the
+cache with `num_beams` rows per source) and
 `generation_step(constants, cache, token_ids, index) -> (logits, cache)`
 (`index` a scalar tensor; on torch the step runs once per token, replayed
 as a CUDA graph on a GPU: `kbert.backend.torch_decoding`),
@@ -69,8 +67,8 @@ def decoding_options(
     return "greedy", {}
 
 
-def _program(model, strategy, options, max_length, right_padded=False):
-    key = (strategy, tuple(sorted(options.items())), max_length, right_padded)
+def _program(model, strategy, options, max_length):
+    key = (strategy, tuple(sorted(options.items())), max_length)
     programs = _PROGRAMS.setdefault(model, {})
     if key in programs:
         return programs[key]
@@ -80,11 +78,7 @@ def _program(model, strategy, options, max_length, right_padded=False):
         # source is read once
         beams = options["num_beams"] if strategy == "beam" else 1
         constants, cache = model.generation_start(
-            encoder_token_ids,
-            encoder_padding_mask,
-            max_length,
-            num_beams=beams,
-            right_padded=right_padded,
+            encoder_token_ids, encoder_padding_mask, max_length, num_beams=beams
         )
         batch = ops.shape(encoder_token_ids)[0] * beams
         start = ops.full((batch,), model.start_token_id, "int32")
@@ -144,10 +138,7 @@ def generate_ids(
     encoder_token_ids = np.pad(encoder_token_ids, pad)
     encoder_padding_mask = np.pad(encoder_padding_mask, pad)
     batch_size = batch_size or rows
-    # sources padded on the right only (as tokenizers and the buckets pad):
-    # attention may take their lengths
-    right_padded = bool(np.all(encoder_padding_mask[:, :-1] >= encoder_padding_mask[:, 1:]))
-    fn, _ = _program(model, strategy, options, max_length, right_padded)
+    fn, _ = _program(model, strategy, options, max_length)
     parts = []
     for start in range(0, rows, batch_size):
         ids, used = fn(

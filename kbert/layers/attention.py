@@ -16,10 +16,6 @@ a cached decoder's) is one `register_attention` call and its tests against
 
 - "jax-cudnn-flash": cuDNN flash attention (JAX on a GPU, 16-bit inputs),
   padding-only masks, no dropout.
-- "torch-flash-prefix": FlashAttention's variable-length kernel over each
-  row's first `key_lengths` keys (a padding mask that says its lengths, as
-  a decoder's cache does), without a mask; 16-bit on a GPU, torch's SDPA
-  for other tensors. First in "auto" for such masks on torch.
 - "torch-sdpa": torch's `scaled_dot_product_attention` (FlashAttention,
   memory-efficient or math kernel, torch's pick), any mask, dropout in the
   kernel.
@@ -148,13 +144,6 @@ def _keras(query, key, value, mask, scale, dropout):
     return ops.dot_product_attention(query, key, value, mask=_keep(mask, query, key), scale=scale)
 
 
-def _torch_flash_prefix(query, key, value, mask, scale, dropout):
-    context = kernels.flash_prefix_attention(query, key, value, mask.key_lengths, scale)
-    if context is None:  # not these tensors (dtype, head size, device): torch's SDPA
-        return _torch_sdpa(query, key, value, mask, scale, dropout)
-    return context
-
-
 def _torch_sdpa(query, key, value, mask, scale, dropout):
     padding = mask.padding if mask.kind == "padding" else None
     return kernels.torch_sdpa(
@@ -199,17 +188,6 @@ register_attention(
     "torch-sdpa",
     _torch_sdpa,
     lambda mask, dtype, rate: backend.is_torch(),
-)
-register_attention(
-    "torch-flash-prefix",
-    _torch_flash_prefix,
-    lambda mask, dtype, rate: (
-        not rate
-        and mask.kind == "padding"
-        and mask.key_lengths is not None
-        and kernels.flash_prefix_possible(dtype)
-    ),
-    auto_position=0,
 )
 register_attention(
     "jax-cudnn-flash",

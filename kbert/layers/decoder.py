@@ -56,19 +56,18 @@ def attend(layer, query, key, value, mask, training):
     return ops.reshape(context, (batch, length, layer.hidden_dim))  # (B, T, H)
 
 
-def cached_self_attention(layer, inputs, key_cache, value_cache, index, key_mask, key_lengths=None):
+def cached_self_attention(layer, inputs, key_cache, value_cache, index, key_mask):
     """A `MultiHeadSelfAttention` call on the newest tokens: their keys and
     values are written into the caches at positions [index, index + T) and
     the queries attend to the cached keys `key_mask` (B, S) marks as seen
     (on torch with a tensor `index`, the caches are written in place:
-    `kbert.backend.decoding.cache_write`); `key_lengths` (B,), if given,
-    says the marked keys are each row's first ones (`AttentionMask`).
-    Returns (output (B, T, H), key_cache, value_cache)."""
+    `kbert.backend.decoding.cache_write`). Returns (output (B, T, H),
+    key_cache, value_cache)."""
     qkv = sublayer_call(layer.qkv, inputs)  # (B, T, 3H)
     query, key, value = _heads(qkv, 3, layer.num_heads, layer.head_dim)  # (B, T, N, D) each
     key_cache = cache_write(key_cache, index, ops.cast(key, key_cache.dtype))
     value_cache = cache_write(value_cache, index, ops.cast(value, value_cache.dtype))
-    mask = AttentionMask(padding=key_mask, key_lengths=key_lengths)
+    mask = AttentionMask(padding=key_mask)
     context = attend(layer, query, key_cache, value_cache, mask, training=False)
     return sublayer_call(layer.output_dense, context), key_cache, value_cache
 
@@ -133,8 +132,9 @@ class MultiHeadCrossAttention(ArgumentsConfig, keras.layers.Layer):
         """Attention of `inputs` (B, T, H) to precomputed keys and values."""
         query = sublayer_call(self.query, inputs, training=training)  # (B, T, H)
         (query,) = _heads(query, 1, self.num_heads, self.head_dim)  # (B, T, N, D)
-        mask = AttentionMask.of(context_padding_mask)  # (B, S), or one saying key lengths
-        context = attend(self, query, key, value, mask, training)
+        context = attend(
+            self, query, key, value, AttentionMask(padding=context_padding_mask), training
+        )
         return sublayer_call(self.output_dense, context, training=training)
 
     def call(self, inputs, context, context_padding_mask, training=None):
@@ -230,9 +230,7 @@ class TransformerDecoderBlock(TransformerEncoderBlock):
         return self.cross_attention.key_values(encoder_output)
 
 
-def block_call_cached(
-    block, inputs, key_cache, value_cache, index, key_mask, cross=None, key_lengths=None
-):
+def block_call_cached(block, inputs, key_cache, value_cache, index, key_mask, cross=None):
     """A block (`TransformerEncoderBlock` or `TransformerDecoderBlock`) on
     the newest tokens `inputs` (B, T, H) at positions [index, index + T):
     self-attention over the caches (see `cached_self_attention`), then,
@@ -242,7 +240,7 @@ def block_call_cached(
     Inference only. Returns
     (output, key_cache, value_cache)."""
     attended, key_cache, value_cache = cached_self_attention(
-        block.self_attention, inputs, key_cache, value_cache, index, key_mask, key_lengths
+        block.self_attention, inputs, key_cache, value_cache, index, key_mask
     )
     attended = sublayer_call(block.attention_dropout_layer, attended, training=False)
     if block.attention_adapter is not None:

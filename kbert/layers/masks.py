@@ -55,10 +55,6 @@ class AttentionMask:
         window: int or None. keys at most this many positions away.
         global_tokens: int or bool tensor (B, T) or None. tokens that see and
             are seen by every token (self-attention only).
-        key_lengths: int tensor (B,) or None. with `padding` alone: row b's
-            real keys are its first `key_lengths[b]` (right padding, as a
-            decoder's cache fills), for kernels that take key lengths
-            (FlashAttention's variable-length one); `padding` must agree.
         max_global: int or None. at most this many global tokens in any
             row: the static size implementations that gather the global
             tokens use ("banded"); None: counted from `global_tokens` where
@@ -80,7 +76,6 @@ class AttentionMask:
         window=None,
         global_tokens=None,
         max_global=None,
-        key_lengths=None,
     ):
         if window is not None and (
             not isinstance(window, int) or isinstance(window, bool) or window < 0
@@ -92,10 +87,7 @@ class AttentionMask:
             raise ValueError(f"max_global must be a positive int or None, got {max_global!r}")
         if prefix_lengths is not None and not causal:
             raise ValueError("prefix_lengths describes a causal mask's prefix: set causal=True")
-        if key_lengths is not None and padding is None:
-            raise ValueError("key_lengths describes the padding mask's real keys: give padding too")
         self.padding = padding
-        self.key_lengths = key_lengths
         self.segments = segments
         self.causal = bool(causal)
         self.prefix_lengths = prefix_lengths

@@ -32,7 +32,7 @@ from kbert.backend.decoding import cache_write
 from kbert.backend.ops import sublayer_call
 from kbert.data.seq2seq import seq2seq_features
 from kbert.generation.runner import LENGTH_MULTIPLE, decoding_options, generate_ids
-from kbert.layers import AttentionMask, BertEmbeddings
+from kbert.layers import BertEmbeddings
 from kbert.layers.decoder import TransformerDecoderBlock, block_call_cached
 from kbert.layers.heads import MaskedLMHead
 from kbert.models.backbone import BertBackbone
@@ -680,18 +680,13 @@ class BertSeq2SeqLM(Task):
 
     # --- cached decoding (`kbert.generation.runner`) -----------------------
 
-    def generation_start(
-        self, encoder_token_ids, encoder_padding_mask, max_length, num_beams=1, right_padded=False
-    ):
+    def generation_start(self, encoder_token_ids, encoder_padding_mask, max_length, num_beams=1):
         """(constants, cache) after reading the source: the cache holds
         per-layer key/value tensors for `max_length` decoder tokens (after
         the source's, for "unilm"), `num_beams` rows per source (its beams
         adjacent); the constants, the cross-attention keys and values of the
         encoder output, one row per source (a step's cross-attention takes
-        a source's beams as its queries), or the source lengths.
-        `right_padded`: every source's real tokens come first (the
-        constants then also hold each source's length, which attention
-        kernels that take key lengths read)."""
+        a source's beams as its queries), or the source lengths."""
         if self.architecture == "unilm":
             constants, cache = self._unilm_start(
                 encoder_token_ids, encoder_padding_mask, max_length
@@ -713,9 +708,6 @@ class BertSeq2SeqLM(Task):
             training=False,
         )["sequence_output"]
         constants = {"encoder_padding_mask": encoder_padding_mask, "cross": []}
-        if right_padded:
-            lengths = ops.sum(ops.cast(encoder_padding_mask, "int32"), axis=1)
-            constants["source_key_lengths"] = lengths
         cache = {"keys": [], "values": []}
         for block in self.decoder_blocks:
             constants["cross"].append(block.cross_key_values(encoded))
@@ -762,19 +754,11 @@ class BertSeq2SeqLM(Task):
         # sublayer_call: each step calls the layers on one token, where Keras'
         # per-call bookkeeping on torch would cost more than the arithmetic
         x = sublayer_call(self.decoder_embeddings, token_ids, segments, position_ids=positions)
-        # bert2bert and shared: the cache's first slot + 1 keys are written,
-        # the rest not yet (kernels that take key lengths skip them)
-        lengths = None if unilm else ops.zeros((batch,), "int32") + (slot + 1)
         keys, values = [], []
-        if not unilm:
-            source_mask = AttentionMask(
-                padding=constants["encoder_padding_mask"],
-                key_lengths=constants.get("source_key_lengths"),
-            )
         for i, block in enumerate(self.decoder_blocks):
-            cross = None if unilm else (*constants["cross"][i], source_mask)
+            cross = None if unilm else (*constants["cross"][i], constants["encoder_padding_mask"])
             x, k, v = block_call_cached(
-                block, x, cache["keys"][i], cache["values"][i], slot, key_mask, cross, lengths
+                block, x, cache["keys"][i], cache["values"][i], slot, key_mask, cross
             )
             keys.append(k)
             values.append(v)

@@ -149,27 +149,6 @@ def test_torch_decoding_casts_each_mixed_precision_weight_once(monkeypatch, grap
     )
 
 
-def test_sources_padded_on_the_right_give_their_lengths_to_attention():
-    """Sources whose real tokens come first (as tokenizers pad) run a
-    program whose constants hold each source's length (kernels that take
-    key lengths read them); sources padded elsewhere run one without, and
-    both decode as the plain loop does."""
-    model = tiny("bert2bert")
-    x = sources()
-    ids, mask = (
-        keras.ops.convert_to_tensor(x[k]) for k in ("encoder_token_ids", "encoder_padding_mask")
-    )
-    constants, _ = model.generation_start(ids, mask, 9, right_padded=True)
-    np.testing.assert_array_equal(
-        keras.ops.convert_to_numpy(constants["source_key_lengths"]),
-        x["encoder_padding_mask"].sum(1),
-    )
-    left = {k: v[:, ::-1].copy() for k, v in x.items()}  # padding first
-    for batch in (x, left):
-        model.generate(batch, max_length=9)
-    assert sorted(key[-1] for key in runner._PROGRAMS[model]) == [False, True]
-
-
 def test_torch_step_without_graphs_is_eager():
     if keras.backend.backend() != "torch":
         pytest.skip("torch only")

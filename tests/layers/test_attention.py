@@ -49,7 +49,6 @@ def random_masks(rng):
     return {
         "padding": (dict(padding=padding), dict()),
         "random-padding": (dict(padding=random_padding), dict()),
-        "padding-lengths": (dict(padding=padding, key_lengths=lengths), dict()),
         "segments": (dict(padding=padding, segments=segments), dict(segments=segments)),
         "causal": (dict(padding=padding, causal=True), dict(causal=True)),
         "prefix": (
@@ -66,16 +65,7 @@ def random_masks(rng):
 
 @pytest.mark.parametrize(
     "kind",
-    [
-        "padding",
-        "random-padding",
-        "padding-lengths",
-        "segments",
-        "causal",
-        "prefix",
-        "window",
-        "window-global",
-    ],
+    ["padding", "random-padding", "segments", "causal", "prefix", "window", "window-global"],
 )
 def test_dense_mask_follows_the_rules(kind):
     parts, rules = random_masks(np.random.default_rng(0))[kind]
@@ -119,39 +109,6 @@ def test_every_implementation_equals_explicit_on_random_masks():
     expected = {"explicit", "keras", "banded"}
     expected |= {"torch-sdpa", "torch-flex"} if backend == "torch" else set()
     assert checked >= expected
-
-
-def test_flash_prefix_attention_equals_explicit_on_a_gpu():
-    """torch's FlashAttention over each row's first key_lengths keys (16-bit,
-    a GPU only: skipped elsewhere) gives explicit's output on every row
-    with keys, for one query (a decoding step) and several; keys past a
-    row's length hold garbage it must not read."""
-    if keras.backend.backend() != "torch":
-        pytest.skip("torch only")
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    rng = np.random.default_rng(2)
-    implementation = attention_lib.ATTENTION_IMPLEMENTATIONS["torch-flash-prefix"]
-    explicit = attention_lib.ATTENTION_IMPLEMENTATIONS["explicit"]
-    no_dropout = attention_lib.AttentionDropout(0.0, None)
-    batch, keys, heads, depth = 4, 40, 3, 64
-    lengths = np.array([40, 17, 1, 30], "int32")
-    padding = (np.arange(keys)[None] < lengths[:, None]).astype("int32")
-    for queries in (1, 5):
-        q = torch.tensor(rng.normal(size=(batch, queries, heads, depth)), dtype=torch.bfloat16)
-        k, v = (
-            torch.tensor(rng.normal(size=(batch, keys, heads, depth)), dtype=torch.bfloat16)
-            for _ in range(2)
-        )
-        k[~torch.tensor(padding, dtype=torch.bool)] = 1e4  # unwritten cache slots
-        q, k, v = (t.cuda() for t in (q, k, v))
-        mask = AttentionMask(padding=torch.tensor(padding).cuda(), key_lengths=lengths)
-        assert attention_lib.select_implementation("auto", mask, q.dtype, 0.0) is implementation
-        got = implementation.attend(q, k, v, mask, 0.125, no_dropout).float().cpu().numpy()
-        want = explicit.attend(q.float(), k.float(), v.float(), mask, 0.125, no_dropout)
-        np.testing.assert_allclose(got, want.cpu().numpy(), atol=2e-2, err_msg=str(queries))
 
 
 def test_the_layer_reports_and_follows_its_choice():

@@ -10,8 +10,10 @@ process): a BERT-base size encoder (12 layers, hidden 768, 12 heads) with
 random weights and a two-class head, batch `--batch` (2), bf16 compute
 (`mixed_bfloat16` in kbert, `torch.autocast` for transformers), window 512
 with [CLS] global, attention dropout `--attention-dropout`.
-    kbert-jax, kbert-torch  BertClassifier(attention_window=512), `predict_on_batch`
-                            (forward) and `train_on_batch` (AdamW step); the attention
+    kbert-jax, kbert-torch  BertClassifier(attention_window=512): whole `predict`
+                            (forward) and `fit` (AdamW steps) calls of --steps batches
+                            (`--kbert-api batch`: `predict_on_batch`, `train_on_batch`,
+                            as the references' loops step); the attention
                             implementation `--attention-implementation` ("auto": on
                             torch with a GPU "torch-flex", elsewhere "banded"), the one
                             that ran reported as attention_path / train_attention_path
@@ -52,6 +54,13 @@ def parse_args(argv):
         help='kbert engines: "auto", "torch-flex", "banded", ... (the one that ran is reported)',
     )
     p.add_argument("--modes", nargs="+", default=["forward", "train"])
+    p.add_argument(
+        "--kbert-api",
+        default="calls",
+        choices=["calls", "batch"],
+        help="kbert engines: time whole `predict`/`fit` calls of --steps batches, as users "
+        "run them (after one call that compiles), or `predict_on_batch`/`train_on_batch`",
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test)")
     p.add_argument("--in-process", action="store_true", help="one engine, this process")
     p.add_argument("--output", default=None)
@@ -122,18 +131,51 @@ def measure_kbert(args, length):
     sync, peak, reset = _device_tools(backend)
     out = {"engine": f"kbert-{backend}", "length": length, "attention_path": path}
     out["train_attention_path"] = train_path
+    out["kbert_api"] = args.kbert_api
+    if args.kbert_api == "calls":
+        forward, train = _whole_calls(args, model, x, labels, sync)
+    else:
+        forward = lambda: _timed(lambda: model.predict_on_batch(x), sync, args)  # noqa: E731
+        train = lambda: _timed(lambda: model.train_on_batch(x, labels), sync, args)  # noqa: E731
     if "forward" in args.modes:
         reset()
-        seconds = _timed(lambda: model.predict_on_batch(x), sync, args)
-        out["forward_tokens_per_s"] = args.batch * length / seconds
+        out["forward_tokens_per_s"] = args.batch * length / forward()
         out["forward_peak_gib"] = peak()
+        out["forward_cuda_graphs"] = getattr(model, "cuda_graph_stats", None)
     if "train" in args.modes:
         model.compile(learning_rate=1e-5, num_train_steps=1000)
         reset()
-        seconds = _timed(lambda: model.train_on_batch(x, labels), sync, args)
-        out["train_tokens_per_s"] = args.batch * length / seconds
+        out["train_tokens_per_s"] = args.batch * length / train()
         out["train_peak_gib"] = peak()
     return out
+
+
+def _whole_calls(args, model, x, labels, sync):
+    """(forward, train): each returns seconds per batch of a `predict` /
+    `fit` call over `--steps` batches, after a call over `--warmup` batches
+    (compilation; on torch a graph per shape is captured within each call)."""
+
+    import numpy as np
+
+    def repeat(n):
+        return {k: np.concatenate([v] * n) for k, v in x.items()}, np.concatenate([labels] * n)
+
+    def timed(call):
+        call(max(args.warmup, 1))
+        sync()
+        start = time.perf_counter()
+        call(args.steps)
+        sync()
+        return (time.perf_counter() - start) / args.steps
+
+    def predict(n):
+        model.predict(repeat(n)[0], batch_size=args.batch, verbose=0)
+
+    def fit(n):
+        data, y = repeat(n)
+        model.fit(data, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
+
+    return (lambda: timed(predict)), (lambda: timed(fit))
 
 
 def _device_tools(backend):
@@ -273,6 +315,7 @@ def main(argv=None):
             command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
             command += ["--attention-dropout", str(args.attention_dropout), "--modes", *args.modes]
             command += ["--attention-implementation", args.attention_implementation]
+            command += ["--kbert-api", args.kbert_api]
             command += ["--tiny"] if args.tiny else []
             env = dict(os.environ, KERAS_BACKEND=backend)
             done = subprocess.run(command, env=env, capture_output=True, text=True)

@@ -764,7 +764,7 @@ class GraphedForward(_GraphsPerShape):
 
     def _eager(self, x):
         self.eager_calls += 1
-        with torch.no_grad():
+        with torch.no_grad(), constants_on_device():
             return self.model(x, training=False)
 
     def _capture(self, x, signature):
@@ -780,6 +780,7 @@ class GraphedForward(_GraphsPerShape):
         try:
             with (
                 torch.no_grad(),
+                constants_on_device(),  # a Python number made a tensor: no host copy
                 random_state_kept_on_failure(),
                 torch.cuda.graph(
                     graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"

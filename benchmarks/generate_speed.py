@@ -16,10 +16,10 @@ its cache) in the same process; `--ids PREFIX` saves the generated ids
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -27,22 +27,16 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-BASE = dict(
-    vocabulary_size=30522,
-    num_layers=12,
-    num_heads=12,
-    hidden_dim=768,
-    intermediate_dim=3072,
-    max_sequence_length=512,
-)
-TINY = dict(
-    vocabulary_size=120,
-    num_layers=1,
-    num_heads=2,
-    hidden_dim=16,
-    intermediate_dim=32,
-    max_sequence_length=160,
-)
+
+def _seq2seq_benchmark():
+    """benchmarks/seq2seq.py as a module (its model sizes and transformers'
+    generate), loaded by path: `examples/seq2seq.py` has the same name."""
+    spec = importlib.util.spec_from_file_location(
+        "seq2seq_benchmark", os.path.join(ROOT, "benchmarks", "seq2seq.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def parse_args(argv=None):
@@ -91,7 +85,8 @@ def main(argv=None):
     import kbert
     from kbert.generation.runner import decoding_path, decoding_stats
 
-    sizes = BASE if args.size == "base" else TINY
+    benchmark = _seq2seq_benchmark()
+    sizes = benchmark.BASE if args.size == "base" else benchmark.TINY
     keras.utils.set_random_seed(0)
     backbone = kbert.BertBackbone(
         **sizes, dropout=0.0, attention_dropout=0.0, dtype="mixed_bfloat16"
@@ -119,37 +114,10 @@ def main(argv=None):
     result["decoding_path"] = decoding_path(model)[0]
     result["decoding_stats"] = decoding_stats(model)
     if args.transformers:
-        import torch
-        import transformers
-
-        from kbert.convert.huggingface import export_to_huggingface
-
-        directory = tempfile.mkdtemp()
-        export_to_huggingface(model, directory)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        hf = transformers.EncoderDecoderModel.from_pretrained(directory).to(device).eval()
-        hf = hf.to(torch.bfloat16)
-        hf_x = {
-            "input_ids": torch.tensor(x["encoder_token_ids"], dtype=torch.long, device=device),
-            "attention_mask": torch.tensor(
-                x["encoder_padding_mask"], dtype=torch.long, device=device
-            ),
-        }
+        _, _, _, theirs = benchmark.transformers_generator(model, x, bfloat16=True)
         result["transformers"] = {}
         for beams in (1, 4):
-
-            def theirs():
-                with torch.no_grad():
-                    return hf.generate(
-                        **hf_x,
-                        max_length=max_length,
-                        num_beams=beams,
-                        decoder_start_token_id=2,
-                        eos_token_id=3,
-                        pad_token_id=0,
-                    )
-
-            first, best, _ = _timed(theirs, args.repeats)
+            first, best, _ = _timed(lambda: theirs(max_length, beams), args.repeats)
             result["transformers"][f"beams{beams}"] = {
                 "first_s": round(first, 3),
                 "best_s": round(best, 4),

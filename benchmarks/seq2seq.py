@@ -222,13 +222,54 @@ def _timed(fn, repeats):
     return first, best
 
 
+def transformers_generator(model, x, bfloat16):
+    """transformers' `EncoderDecoderModel` on `model`'s weights (exported to
+    a temporary directory; bf16 weights with `bfloat16`), in eval mode on
+    CUDA when present, and `generate(max_length, num_beams)` of the
+    sources `x` with it (its cache; ended by a device sync). Returns
+    (model, directory, device, generate)."""
+    import torch
+    import transformers
+
+    from kbert.convert.huggingface import export_to_huggingface
+
+    directory = tempfile.mkdtemp()
+    export_to_huggingface(model, directory)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = transformers.EncoderDecoderModel.from_pretrained(directory).to(device).eval()
+    if bfloat16:
+        hf = hf.to(torch.bfloat16)
+    hf_x = {
+        name: torch.tensor(x[key], dtype=torch.long, device=device)
+        for name, key in (
+            ("input_ids", "encoder_token_ids"),
+            ("attention_mask", "encoder_padding_mask"),
+        )
+    }
+
+    def generate(max_length, num_beams):
+        with torch.no_grad():
+            out = hf.generate(
+                **hf_x,
+                max_length=max_length,
+                num_beams=num_beams,
+                decoder_start_token_id=2,
+                eos_token_id=3,
+                pad_token_id=0,
+            )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    return hf, directory, device, generate
+
+
 def speed(args):
     import keras
     import torch
     import transformers
 
     import kbert
-    from kbert.convert.huggingface import export_to_huggingface
     from kbert.generation.runner import decoding_path, decoding_stats
 
     if args.check_every and keras.backend.backend() == "torch":
@@ -260,34 +301,16 @@ def speed(args):
         "dtype": args.dtype,
     }
 
-    directory = tempfile.mkdtemp()
-    export_to_huggingface(model, directory)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = transformers.EncoderDecoderModel.from_pretrained(directory).to(device).eval()
-    if args.dtype == "bfloat16":
-        hf = hf.to(torch.bfloat16)
-    hf_x = {
-        "input_ids": torch.tensor(x["encoder_token_ids"], dtype=torch.long, device=device),
-        "attention_mask": torch.tensor(x["encoder_padding_mask"], dtype=torch.long, device=device),
-    }
+    hf, directory, device, theirs_generate = transformers_generator(
+        model, x, args.dtype == "bfloat16"
+    )
     for beams in (1, 4):
 
         def ours():
             return model.generate(x, max_length=max_length, num_beams=beams)
 
         def theirs():
-            with torch.no_grad():
-                out = hf.generate(
-                    **hf_x,
-                    max_length=max_length,
-                    num_beams=beams,
-                    decoder_start_token_id=2,
-                    eos_token_id=3,
-                    pad_token_id=0,
-                )
-            if device == "cuda":
-                torch.cuda.synchronize()
-            return out
+            return theirs_generate(max_length, beams)
 
         first, best = _timed(ours, args.repeats)
         hf_first, hf_best = _timed(theirs, args.repeats)

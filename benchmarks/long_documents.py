@@ -16,6 +16,9 @@ Systems (`--systems`), each from the same checkpoint:
     chunks     BertChunkClassifier: windows of `--short-length` tokens, up to
                `--long-length` tokens in all, mean of the windows' [CLS]
                (`--chunk-pooling`)
+    memory     BertMemoryClassifier: the same windows in order, `--memory-tokens`
+               (10) of each window's positions holding memory carried from the
+               window before (Recurrent Memory Transformer), the last window's [CLS]
     full       BertClassifier on `--long-length` (4,096) tokens, positions
                extended by tiling the learned ones, full attention
     window     the same with `attention_window=--window` (512) and [CLS]
@@ -48,7 +51,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.normpath(os.path.join(ROOT, "..", "shared", "data"))
 sys.path.insert(0, ROOT)
-SYSTEMS = ("truncate", "chunks", "full", "window")
+SYSTEMS = ("truncate", "chunks", "memory", "full", "window")
 ARTICLES = "hyperpartisan/articles-training-byarticle-20181122.xml"
 LABELS = "hyperpartisan/ground-truth-training-byarticle-20181122.xml"
 NEEDLES = (
@@ -71,6 +74,7 @@ def parse_args(argv):
     p.add_argument("--long-length", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--chunk-pooling", choices=("mean", "max"), default="mean")
+    p.add_argument("--memory-tokens", type=int, default=10, help="memory: M")
     p.add_argument(
         "--global-projections",
         action="store_true",
@@ -199,12 +203,13 @@ def build(system, args, preset):
         model.preprocessor.sequence_length = min(
             args.short_length, model.backbone.max_sequence_length
         )
-    elif system == "chunks":
-        model = kbert.BertChunkClassifier.from_preset(
-            preset,
-            max_chunks=math.ceil(args.long_length / args.short_length),
-            pooling=args.chunk_pooling,
-            **common,
+    elif system in ("chunks", "memory"):
+        if system == "chunks":
+            cls, head = kbert.BertChunkClassifier, {"pooling": args.chunk_pooling}
+        else:
+            cls, head = kbert.BertMemoryClassifier, {"memory_tokens": args.memory_tokens}
+        model = cls.from_preset(
+            preset, max_chunks=math.ceil(args.long_length / args.short_length), **head, **common
         )
         model.preprocessor.sequence_length = min(
             args.short_length, model.backbone.max_sequence_length
@@ -258,6 +263,7 @@ def run(system, args, preset, data, seed):
             "global_projections": bool(getattr(model.backbone, "global_projections", False)),
             "sequence_length": model.preprocessor.sequence_length,
             "pooling": getattr(model, "pooling", None),
+            "memory_tokens": getattr(model, "memory_tokens", None),
         },
         "best_epoch": best + 1,
         "test_at_best_dev": epochs[best]["test"],

@@ -81,6 +81,12 @@ class BertEmbeddings(ArgumentsConfig, keras.layers.Layer):
         embedding_dim: int or None. table width E, projected to H; None:
             tables of width H and no projection.
 
+    `call(token_ids, segment_ids, token_vectors=v)` takes (B, T, E) vectors
+    in place of the token table's lookup (the ids then give only the
+    shape), to which the segment and position embeddings are added as to
+    looked-up ones: e.g. memory states fed back as tokens
+    (`kbert.BertMemoryClassifier`).
+
     Example:
     >>> layer = BertEmbeddings(100, 8, max_sequence_length=16, embedding_dim=4)
     >>> ids = keras.ops.ones((2, 5), "int32")
@@ -151,7 +157,7 @@ class BertEmbeddings(ArgumentsConfig, keras.layers.Layer):
             self.projection.build(tuple(token_ids_shape) + (self.table_dim,))
         self.built = True
 
-    def call(self, token_ids, segment_ids, training=None, position_ids=None):
+    def call(self, token_ids, segment_ids, training=None, position_ids=None, token_vectors=None):
         if keras_internals.in_symbolic_scope():
             # Keras infers shapes on torch by running the model on tensors of
             # ones where a meta kernel is missing: an id of 1 is outside a
@@ -159,6 +165,8 @@ class BertEmbeddings(ArgumentsConfig, keras.layers.Layer):
             # do not matter there
             segment_ids = ops.zeros_like(segment_ids)
         if position_ids is not None:
+            if token_vectors is not None:
+                raise ValueError("token_vectors are taken without position_ids (packed rows)")
             return self._embed_at(token_ids, segment_ids, position_ids, training)
         length = ops.shape(token_ids)[1]
         checks.check_sequence_length(length, self.max_sequence_length)
@@ -182,9 +190,11 @@ class BertEmbeddings(ArgumentsConfig, keras.layers.Layer):
             segments = self.segment_embedding(ops.arange(self.type_vocab_size))  # (S, E)
             # ... by its float32 scale, which promotes a 16-bit lookup to float32
             segments = ops.cast(segments, self.compute_dtype)
-        x = fused_embedding_sum(
-            self.token_embedding(token_ids), positions, segments, segment_ids
-        )  # (B, T, E)
+        if token_vectors is None:
+            token_vectors = self.token_embedding(token_ids)
+        else:
+            token_vectors = ops.cast(token_vectors, self.compute_dtype)
+        x = fused_embedding_sum(token_vectors, positions, segments, segment_ids)  # (B, T, E)
         x = self.dropout_layer(self.layer_norm(x), training=training)
         if self.projection is not None:
             x = self.projection(x)  # (B, T, H)

@@ -2,6 +2,7 @@ from kbert.models.backbone import BertBackbone
 from kbert.models.chunk_classifier import BertChunkClassifier
 from kbert.models.classifier import BertClassifier
 from kbert.models.distiller import BertDistiller
+from kbert.models.memory_classifier import BertMemoryClassifier
 from kbert.models.mobilebert import MobileBertBackbone
 from kbert.models.multiple_choice import BertMultipleChoice
 from kbert.models.preprocessor import BertPreprocessor
@@ -18,6 +19,7 @@ __all__ = [
     "BertClassifier",
     "BertDistiller",
     "BertMaskedLM",
+    "BertMemoryClassifier",
     "BertMultipleChoice",
     "BertPreTrainer",
     "BertPreprocessor",

@@ -48,6 +48,9 @@ GLOBAL_MASK = "global_attention_mask"
 # those it gets alone in a padded batch (to float rounding);
 # `pooled_output` is then (E, H), one per example.
 PACKED_INPUTS = ("example_ids", "position_ids", "cls_index")
+# `encoder_forward` (not the functional graph) also takes this (B, T, E):
+# vectors in place of the token embeddings (`BertEmbeddings`).
+TOKEN_VECTORS = "token_vectors"
 SHARED_LAYER_NAME = "shared_transformer_layer"
 # Backbone classes by the `backbone_type` their configs carry (a
 # BertBackbone's has none), so that `BertBackbone.from_config` of a preset's
@@ -83,11 +86,14 @@ def encoder_forward(
     function (blocks, x, attention_mask, training) -> x, for the blocks as
     one loop). `window`: (attention_window, global_tokens, max_global,
     separator_token_id) for sliding-window attention (`window_mask`; `inputs` may hold a
-    `GLOBAL_MASK`), or None."""
+    `GLOBAL_MASK`), or None. `inputs` may hold `TOKEN_VECTORS` (B, T, E),
+    taken in place of the token table's lookup (`BertEmbeddings`)."""
     packed = is_packed(inputs)
     # `training` only where given: the functional graph takes it from the call
     kw = {} if training is None else {"training": training}
     at = {"position_ids": inputs["position_ids"]} if packed else {}
+    if TOKEN_VECTORS in inputs:
+        at[TOKEN_VECTORS] = inputs[TOKEN_VECTORS]
     x = embeddings(inputs["token_ids"], inputs["segment_ids"], **kw, **at)
     attention_mask = inputs["padding_mask"]  # (B, T): the description is padding only
     if packed:

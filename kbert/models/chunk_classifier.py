@@ -139,11 +139,13 @@ class BertChunkClassifier(BertClassifier):
         """Raw strings -> (B, C, T) windows; model-input dicts pass through."""
         if self.preprocessor is None or isinstance(x, dict):
             return x
+        return self.chunk_texts(x, self.preprocessor.sequence_length)
+
+    def chunk_texts(self, x, length):
+        """Raw strings -> (B, C, `length`) windows of the preprocessor's tokens."""
         if isinstance(x, tuple):
             raise ValueError(
-                "BertChunkClassifier classifies single documents; got a (texts, pairs) tuple"
+                f"{type(self).__name__} classifies single documents; got a (texts, pairs) tuple"
             )
         texts = [x] if isinstance(x, str) else self.preprocessor._texts(x, "documents")
-        return chunk_documents(
-            self.preprocessor.tokenizer, texts, self.preprocessor.sequence_length, self.max_chunks
-        )
+        return chunk_documents(self.preprocessor.tokenizer, texts, length, self.max_chunks)

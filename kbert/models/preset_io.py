@@ -318,10 +318,12 @@ def load_task(cls, directory, load_weights=True, **kwargs):
             f"the Hugging Face head in {directory} does not map onto {cls.__name__}: "
             f"expected {sorted(paths)}, got {sorted(weights)}"
         )
+    allow_missing = ()
     if head.subset:
         wanted = set(paths)
         weights = {p: v for p, v in weights.items() if p in wanted}
-    assign_weights(model, weights, source=head.source, paths=paths)
+        allow_missing = cls.head_weights_fresh
+    assign_weights(model, weights, source=head.source, paths=paths, allow_missing=allow_missing)
     return model
 
 

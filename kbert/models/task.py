@@ -33,6 +33,8 @@ class Task(preset_io.PresetMixin, PipelineModel):
     # Task presets of these classes hold this task's head among theirs
     # (`from_preset` loads it from them).
     head_weights_from = ()
+    # Layers of this task's head those presets do not hold (they start fresh).
+    head_weights_fresh = ()
 
     @property
     def backbone(self):

@@ -52,13 +52,14 @@ def test_every_system_runs_on_the_needle_task(tiny_preset, tmp_path):
     output = tmp_path / "needle.json"
     args = "--task needle --train 8 --eval 4 --needle-length 50 --needle-after 30"
     args += " --long-length 64 --short-length 16 --window 8 --seeds 0 --epochs 1"
-    args += f" --batch-size 4 --preset {tiny_preset} --output {output}"
+    args += f" --batch-size 4 --memory-tokens 4 --preset {tiny_preset} --output {output}"
     result = _benchmark().main(args.split())
     runs = {r["system"]: r for r in result["runs"]}
-    assert set(runs) == {"truncate", "chunks", "full", "window"}
+    assert set(runs) == {"truncate", "chunks", "memory", "full", "window"}
     assert runs["truncate"]["backbone"]["sequence_length"] == 16
     assert runs["full"]["backbone"]["max_sequence_length"] == 64
     assert runs["window"]["backbone"]["attention_window"] == 8
+    assert runs["memory"]["backbone"]["memory_tokens"] == 4
     for run in runs.values():
         assert 0.0 <= run["test_at_best_dev"]["accuracy"] <= 1.0
     assert set(result["summary"]) == set(runs) and output.exists()

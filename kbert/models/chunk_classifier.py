@@ -102,16 +102,9 @@ class BertChunkClassifier(BertClassifier):
         freeze_backbone=False,
         **kwargs,
     ):
-        if not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
-        if not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1:
-            raise ValueError(f"max_chunks must be a positive int, got {max_chunks!r}")
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        inputs = {
-            name: keras.Input(shape=(max_chunks, None), dtype="int32", name=name)
-            for name in ("token_ids", "segment_ids", "padding_mask")
-        }
+        inputs = self.document_inputs(num_classes, max_chunks)
         folded = {
             name: ChoiceReshape(max_chunks, True, name=f"fold_{name}")(t)
             for name, t in inputs.items()
@@ -131,6 +124,18 @@ class BertChunkClassifier(BertClassifier):
             freeze_backbone=freeze_backbone,
         )
         self._init_task(inputs, logits, backbone, preprocessor, config, kwargs)
+
+    @staticmethod
+    def document_inputs(num_classes, max_chunks):
+        """The arguments checked; the symbolic (B, C, T) inputs."""
+        if not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        if not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1:
+            raise ValueError(f"max_chunks must be a positive int, got {max_chunks!r}")
+        return {
+            name: keras.Input(shape=(max_chunks, None), dtype="int32", name=name)
+            for name in ("token_ids", "segment_ids", "padding_mask")
+        }
 
     def call(self, inputs, training=None, mask=None, **kwargs):
         return super(BertClassifier, self).call(inputs, training=training, mask=mask, **kwargs)

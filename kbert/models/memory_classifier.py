@@ -217,10 +217,7 @@ class BertMemoryClassifier(BertChunkClassifier):
         freeze_backbone=False,
         **kwargs,
     ):
-        if not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
-        if not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1:
-            raise ValueError(f"max_chunks must be a positive int, got {max_chunks!r}")
+        inputs = self.document_inputs(num_classes, max_chunks)
         if (
             not isinstance(memory_tokens, int)
             or isinstance(memory_tokens, bool)
@@ -254,10 +251,6 @@ class BertMemoryClassifier(BertChunkClassifier):
                 f"fewer than 3 tokens per window beside memory_tokens={memory_tokens}"
             )
         policy = embeddings.dtype_policy
-        inputs = {
-            name: keras.Input(shape=(max_chunks, None), dtype="int32", name=name)
-            for name in ("token_ids", "segment_ids", "padding_mask")
-        }
         blocks = backbone.transformer_layers
         pooler = backbone.get_layer("pooler")
         memory = MemoryTokens(
@@ -304,7 +297,8 @@ class BertMemoryClassifier(BertChunkClassifier):
         """Raw strings -> (B, C, T) windows; model-input dicts pass through
         (checked: T + M within the backbone's positions)."""
         if isinstance(x, dict) and "token_ids" in x:
-            length = x["token_ids"].shape[-1]
+            ids = x["token_ids"]
+            length = ids.shape[-1] if hasattr(ids, "shape") else len(ids[0][0])
             limit = self.backbone.max_sequence_length
             if length is not None and length + self.memory_tokens > limit:
                 raise ValueError(

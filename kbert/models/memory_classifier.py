@@ -179,8 +179,9 @@ class BertMemoryClassifier(BertChunkClassifier):
     `kbert.data.long_documents.chunk_documents` cuts them, with T + M at
     most the backbone's `max_sequence_length`. From raw strings the windows
     hold `sequence_length - memory_tokens` tokens, so a window with its
-    memory is as long as the preprocessor's rows. A `BertClassifier`
-    preset loads with its classifier head (the memory starts fresh).
+    memory is as long as the preprocessor's rows. A `BertClassifier` or
+    `BertChunkClassifier` preset loads with its classifier head (the memory
+    starts fresh).
 
     Args:
         backbone: `kbert.BertBackbone` with full attention and embedding
@@ -202,7 +203,7 @@ class BertMemoryClassifier(BertChunkClassifier):
     (1, 2)
     """
 
-    head_weights_from = ("BertClassifier",)
+    head_weights_from = ("BertClassifier", "BertChunkClassifier")
     head_weights_fresh = ("memory_tokens",)
     config_names = ("num_classes", "max_chunks", "memory_tokens", "dropout", "freeze_backbone")
 

@@ -170,6 +170,21 @@ def test_memory_classifier_fits_and_round_trips(classifier_preset, tmp_path):
     model.save_to_preset(tmp_path / "memory")
     again = kbert.BertMemoryClassifier.from_preset(tmp_path / "memory")
     assert (again.max_chunks, again.memory_tokens) == (3, 4)
+    np.testing.assert_array_equal(
+        again.get_layer("memory_tokens").get_weights()[0],
+        model.get_layer("memory_tokens").get_weights()[0],
+    )
+    # a chunk-and-pool preset gives its head too
+    kbert.BertChunkClassifier.from_preset(directory, num_classes=2, max_chunks=2).save_to_preset(
+        tmp_path / "c"
+    )
+    from_chunks = kbert.BertMemoryClassifier.from_preset(
+        tmp_path / "c", num_classes=2, memory_tokens=4
+    )
+    np.testing.assert_array_equal(
+        from_chunks.get_layer("logits").get_weights()[0],
+        classifier.get_layer("logits").get_weights()[0],
+    )
     np.testing.assert_allclose(again.predict(texts, verbose=0), before, atol=1e-6)
     model.save(tmp_path / "memory.keras")
     restored = keras.saving.load_model(tmp_path / "memory.keras")

@@ -16,9 +16,11 @@ Systems (`--systems`), each from the same checkpoint:
     chunks     BertChunkClassifier: windows of `--short-length` tokens, up to
                `--long-length` tokens in all, mean of the windows' [CLS]
                (`--chunk-pooling`)
-    memory     BertMemoryClassifier: the same windows in order, `--memory-tokens`
-               (10) of each window's positions holding memory carried from the
-               window before (Recurrent Memory Transformer), the last window's [CLS]
+    memory     BertMemoryClassifier: as many windows of the same length, read in
+               order, `--memory-tokens` (10) of each window's positions holding
+               memory carried from the window before (Recurrent Memory
+               Transformer), so each reads that many fewer document tokens; the
+               last window's [CLS]
     full       BertClassifier on `--long-length` (4,096) tokens, positions
                extended by tiling the learned ones, full attention
     window     the same with `attention_window=--window` (512) and [CLS]

@@ -74,6 +74,12 @@ class MemoryWindow(keras.layers.Layer):
     Args:
         chunk: int. which window.
         memory_tokens: int. M.
+
+    Example:
+    >>> ids = keras.ops.convert_to_tensor([[[2, 7, 3], [0, 0, 0]]])
+    >>> window = MemoryWindow(0, 2)(ids, keras.ops.zeros_like(ids), keras.ops.sign(ids))
+    >>> keras.ops.convert_to_numpy(window["padding_mask"]).tolist()
+    [[1, 1, 1, 1, 1]]
     """
 
     def __init__(self, chunk, memory_tokens, **kwargs):
@@ -106,7 +112,17 @@ class MemoryWindow(keras.layers.Layer):
 @keras.saving.register_keras_serializable(package="kbert")
 class MemoryWrite(keras.layers.Layer):
     """Token vectors (B, M + T, H) with the memory (B, M, H) in the slots
-    after [CLS]."""
+    after [CLS].
+
+    Args:
+        memory_tokens: int. M.
+
+    Example:
+    >>> vectors = keras.ops.zeros((1, 5, 2))
+    >>> out = MemoryWrite(2)(vectors, keras.ops.ones((1, 2, 2)))
+    >>> keras.ops.convert_to_numpy(out)[0, :, 0].tolist()
+    [0.0, 1.0, 1.0, 0.0, 0.0]
+    """
 
     def __init__(self, memory_tokens, **kwargs):
         super().__init__(**kwargs)
@@ -130,7 +146,13 @@ class MemoryRead(keras.layers.Layer):
     """After window `chunk`: the memory slots' outputs become the memory
     and the window's pooled [CLS] the document's vector, for documents
     where the window holds tokens; the others keep both (a document ends
-    with its last real window). -> (memory (B, M, H), pooled (B, H))."""
+    with its last real window; one with no real window gets zeros).
+    -> (memory (B, M, H), pooled (B, H)).
+
+    Args:
+        chunk: int. which window was read.
+        memory_tokens: int. M.
+    """
 
     def __init__(self, chunk, memory_tokens, **kwargs):
         super().__init__(**kwargs)
@@ -141,8 +163,8 @@ class MemoryRead(keras.layers.Layer):
         real = ops.any(ops.cast(padding_mask[:, self.chunk, :], "bool"), axis=-1)  # (B,)
         written = sequence_output[:, 1 : 1 + self.memory_tokens, :]  # (B, M, H)
         memory = ops.where(real[:, None, None], written, ops.cast(memory, written.dtype))
-        if last is None:
-            return memory, pooled_output
+        if last is None:  # the first window
+            last = ops.zeros_like(pooled_output)
         return memory, ops.where(real[:, None], pooled_output, ops.cast(last, pooled_output.dtype))
 
     def compute_output_spec(self, sequence_output, pooled_output, padding_mask, memory, last):
@@ -203,6 +225,7 @@ class BertMemoryClassifier(BertChunkClassifier):
     (1, 2)
     """
 
+    calls_backbone = False  # its forward runs the backbone's layers window by window
     head_weights_from = ("BertClassifier", "BertChunkClassifier")
     head_weights_fresh = ("memory_tokens",)
     config_names = ("num_classes", "max_chunks", "memory_tokens", "dropout", "freeze_backbone")
@@ -240,6 +263,7 @@ class BertMemoryClassifier(BertChunkClassifier):
                     if getattr(embeddings, "embedding_dim", None) is not None
                     else ""
                 )
+                + "; use a BERT backbone without embedding_dim (factorized embeddings)"
             )
         if getattr(backbone, "attention_window", None):
             raise ValueError(
@@ -290,18 +314,38 @@ class BertMemoryClassifier(BertChunkClassifier):
         )
         self._init_task(inputs, logits, backbone, preprocessor, config, kwargs)
 
+    def quantize(self, mode=None, *args, **kwargs):
+        """Keras' `quantize`; "float8" is refused for more than one window:
+        every backbone Dense runs once per window in a step, and float8's
+        delayed scaling would add the scale updates of those runs together
+        (as for `share_layers`)."""
+        if mode == "float8" and self.max_chunks > 1:
+            raise ValueError(
+                f'quantize("float8") of a BertMemoryClassifier with max_chunks={self.max_chunks}: '
+                "each backbone Dense runs once per window a step, and float8's delayed scaling "
+                "would add their scale updates together; train it in bf16 (mixed_bfloat16), "
+                'or quantize("int8") a trained model for inference'
+            )
+        return super().quantize(mode, *args, **kwargs)
+
+    def input_limits(self):
+        """The backbone's, with windows M tokens shorter (the memory's)."""
+        limits = super().input_limits()
+        limits["max_sequence_length"] -= self.memory_tokens
+        return limits
+
     def window_length(self):
         """Tokens per window from raw strings (without the memory)."""
         return self.preprocessor.sequence_length - self.memory_tokens
 
     def preprocess_samples(self, x):
-        """Raw strings -> (B, C, T) windows; model-input dicts pass through
-        (checked: T + M within the backbone's positions)."""
+        """Raw strings -> (B, C, T) windows; model-input dicts pass through,
+        T checked against the positions the memory leaves (`input_limits`)."""
         if isinstance(x, dict) and "token_ids" in x:
             ids = x["token_ids"]
             length = ids.shape[-1] if hasattr(ids, "shape") else len(ids[0][0])
             limit = self.backbone.max_sequence_length
-            if length is not None and length + self.memory_tokens > limit:
+            if isinstance(length, int) and length + self.memory_tokens > limit:
                 raise ValueError(
                     f"windows of {length} tokens and {self.memory_tokens} memory tokens exceed "
                     f"the backbone's max_sequence_length={limit}; cut windows of at most "

@@ -444,8 +444,8 @@ class PipelineModel(trainer.BackendTrainer, keras.Model):
             self._prepare_inputs(x, 0)
             shapes = {t.name: np.shape(x[t.name]) for t in self.inputs}
         else:
-            length = getattr(self.preprocessor, "sequence_length", None)
-            length = length or self.input_limits()["max_sequence_length"]
+            limit = self.input_limits()["max_sequence_length"]
+            length = min(getattr(self.preprocessor, "sequence_length", None) or limit, limit)
             shapes = {
                 t.name: (0, *(length if d is None else d for d in t.shape[1:])) for t in self.inputs
             }

@@ -203,9 +203,48 @@ def test_bad_arguments_name_the_problem():
         kbert.BertMemoryClassifier(_backbone(attention_window=4), 2, memory_tokens=2)
     model = kbert.BertMemoryClassifier(backbone, 2, max_chunks=2, memory_tokens=4)
     x = {k: np.ones((1, 2, 10), "int32") for k in ("token_ids", "segment_ids", "padding_mask")}
-    with pytest.raises(ValueError, match="max_sequence_length=12"):
+    with pytest.raises(ValueError, match="memory tokens exceed.*max_sequence_length=12"):
         model.predict(x, verbose=0)
     with pytest.raises(ValueError, match="single documents"):
         kbert.BertMemoryClassifier(
             backbone, 2, memory_tokens=2, preprocessor=kbert.BertPreprocessor(TOKENIZER, 12)
         ).predict((["a"], ["b"]), verbose=0)
+
+
+def test_frozen_mixed_precision_backbone_trains_the_memory_and_head():
+    backbone = _backbone(dtype="mixed_bfloat16")
+    preprocessor = kbert.BertPreprocessor(TOKENIZER, sequence_length=12)
+    model = kbert.BertMemoryClassifier(
+        backbone, 2, preprocessor, max_chunks=2, memory_tokens=3, freeze_backbone=True
+    )
+    harness.check_config_round_trip(model)
+    texts = ["the good plot " * 3, "the bad plot " * 3, "good", "bad"]
+    x = model.preprocess_samples(texts)
+    harness.check_eager_vs_compiled(model, x, atol=1e-2)  # bfloat16 compute
+    frozen = [np.array(w) for w in backbone.get_weights()]
+    memory = np.array(model.get_layer("memory_tokens").get_weights()[0])
+    model.compile(learning_rate=1e-2)
+    model.fit(texts, np.array([1, 0, 1, 0]), batch_size=2, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(frozen, backbone.get_weights()))
+    assert not np.allclose(memory, model.get_layer("memory_tokens").get_weights()[0])
+    logits = model.predict(texts, verbose=0)
+    assert logits.dtype == np.float32 and np.all(np.isfinite(logits))
+
+
+def test_batches_and_empty_inputs_keep_windows_within_the_positions():
+    """Windows from raw strings fill the rows with the memory; per-batch
+    calls pad them to a bucket no longer than the memory leaves."""
+    preprocessor = kbert.BertPreprocessor(TOKENIZER, sequence_length=12)
+    model = kbert.BertMemoryClassifier(_backbone(), 2, preprocessor, max_chunks=2, memory_tokens=5)
+    assert model.input_limits()["max_sequence_length"] == 7
+    texts = ["the movie was good", "the plot was bad " * 3]
+    np.testing.assert_allclose(
+        model.predict_on_batch(texts), model.predict(texts, verbose=0), atol=1e-5
+    )
+    assert model.predict([], verbose=0).shape == (0, 2)
+
+
+def test_float8_is_refused_for_several_windows():
+    model = kbert.BertMemoryClassifier(_backbone(), 2, max_chunks=2, memory_tokens=2)
+    with pytest.raises(ValueError, match="float8.*once per window"):
+        model.quantize("float8")

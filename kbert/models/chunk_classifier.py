@@ -88,6 +88,17 @@ class BertChunkClassifier(BertClassifier):
     """
 
     packs_rows = False  # a row is a window of a document, not an example
+
+    @property
+    def text_dataset_refusal(self):
+        """Why a tf.data dataset of raw strings is refused: the windows are
+        cut on the host (`chunk_documents`), not by the in-graph preprocessor."""
+        return (
+            f"{type(self).__name__} cuts documents into windows on the host; pass the texts "
+            "as a list or numpy array of strings, or a tf.data dataset of model inputs (B, C, "
+            "T) made by kbert.data.long_documents.chunk_documents"
+        )
+
     head_weights_from = ("BertClassifier",)
     config_names = ("num_classes", "max_chunks", "pooling", "dropout", "freeze_backbone")
 

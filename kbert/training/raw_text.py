@@ -82,11 +82,24 @@ def map_dataset(preprocessor, data, with_targets):
     )
 
 
+def _holds_text(data, with_targets):
+    """Whether a tf.data dataset's inputs hold strings."""
+    import tensorflow as tf
+
+    spec = data.element_spec
+    if with_targets and isinstance(spec, tuple):
+        spec = spec[0]
+    return any(getattr(s, "dtype", None) == tf.string for s in tf.nest.flatten(spec))
+
+
 def convert(task, x, y, with_targets=True):
     """(model inputs, checked targets) for a task's fit/evaluate/predict."""
     if is_tf_dataset(x):
         if task.preprocessor is None:
             return x, y
+        refusal = getattr(task, "text_dataset_refusal", None)  # a model that cuts on the host
+        if refusal and _holds_text(x, with_targets):
+            raise ValueError(refusal)
         return map_dataset(task.preprocessor, x, with_targets), y
     if task.preprocessor is None and (
         is_text(x) or is_pair_list(x) or (isinstance(x, tuple) and len(x) == 2 and is_text(x[0]))

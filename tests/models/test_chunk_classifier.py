@@ -93,3 +93,19 @@ def test_chunk_classifier_fits_and_round_trips(classifier_preset, tmp_path):
     np.testing.assert_allclose(restored.predict(texts, verbose=0), before, atol=1e-6)
     with pytest.raises(ValueError, match="pooling"):
         kbert.BertChunkClassifier(model.backbone, 2, pooling="sum")
+
+
+def test_a_dataset_of_raw_strings_is_refused_with_the_way_out(classifier_preset):
+    tf = pytest.importorskip("tensorflow")
+    _, directory = classifier_preset
+    for cls, extra in (
+        (kbert.BertChunkClassifier, {}),
+        (kbert.BertMemoryClassifier, {"memory_tokens": 2}),
+    ):
+        model = cls.from_preset(directory, num_classes=2, max_chunks=2, **extra)
+        data = tf.data.Dataset.from_tensor_slices((["the movie was good"] * 2, [1, 0])).batch(2)
+        model.compile()
+        with pytest.raises(ValueError, match="list or numpy array of strings"):
+            model.fit(data, epochs=1, verbose=0)
+        with pytest.raises(ValueError, match="cuts documents into windows"):
+            model.predict(data.map(lambda x, y: x), verbose=0)
